@@ -1,0 +1,71 @@
+"""Entry point of the desktop app: `flotilla` with no subcommand lands here
+through the "flotilla.gui" entry point (engine never imports app).
+
+    python -m app.main [--model demo] [--device CPU]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+
+from app import style
+from app.chat_window import ChatWindow
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="flotilla", description="Flotilla desktop app")
+    parser.add_argument("--model", default="demo",
+                        help="demo id, model folder or hub id (default: demo)")
+    parser.add_argument("--device", default="CPU", help="OpenVINO device (default: CPU)")
+    # Whatever we do not know (-platform, -style...) is for Qt.
+    return parser.parse_known_args(argv)
+
+
+def _qt_binding_is_broken() -> bool:
+    """True if this PySide6 build drops a reference to None on every void
+    call. PySide6 6.12.0 does so on CPython < 3.12 (where None is not yet
+    immortal): the app would die with "Fatal Python error: none_dealloc" after
+    a few thousand calls. Better one clear message at startup."""
+    if sys.version_info >= (3, 12):
+        return False  # None is immortal there: the bug is harmless
+    timer = QTimer()
+    before = sys.getrefcount(None)
+    for _ in range(32):
+        timer.setInterval(1)
+    return sys.getrefcount(None) < before - 16
+
+
+def run(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, qt_args = _parse(argv)
+    app = QApplication.instance() or QApplication([sys.argv[0], *qt_args])
+    app.setApplicationName("Flotilla")
+    app.setApplicationDisplayName("Flotilla")
+    app.setDesktopFileName("flotilla")  # matches installers/linux .desktop (taskbar icon)
+    app.setWindowIcon(style.app_icon())
+    app.setStyle("Fusion")  # the same look on Windows, Linux and macOS
+    app.setStyleSheet(style.STYLESHEET)
+
+    if _qt_binding_is_broken():
+        import PySide6
+
+        print(f"flotilla: PySide6 {PySide6.__version__} is broken on Python "
+              f"{sys.version_info.major}.{sys.version_info.minor} (it leaks references to "
+              "None and would crash); use Python 3.12+ or PySide6-Essentials 6.11.", file=sys.stderr)
+        return 2
+
+    window = ChatWindow(args.model, args.device)
+    window.show()
+    code = app.exec()
+    # closeEvent already waited for the engine to close; this only catches a
+    # job still returning after the grace timeout.
+    window.runner.wait_for_done(2000)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,150 @@
+"""`flotilla chat`: one prompt with -p, or a REPL; streams and prints tok/s."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+
+from engine.cli.progress import TerminalProgress
+from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="chat with a model in the terminal")
+    add_engine_arguments(p)
+    p.add_argument("-p", "--prompt", help="answer this one prompt and exit (default: an interactive chat)")
+    p.add_argument("--system", help="a system prompt")
+    add_sampling_arguments(p)
+    p.set_defaults(func=cmd_chat)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    from engine.serve.factory import ENGINE_KINDS
+
+    p.add_argument("--model", "-m", default="demo",
+                   help="demo id, local HF folder, OpenVINO IR folder or hub id (default: demo)")
+    p.add_argument("--engine", choices=list(ENGINE_KINDS), default="local",
+                   help="; ".join(f"{k}: {d}" for k, (_, d) in ENGINE_KINDS.items()) + " (default: local)")
+    p.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU or AUTO (default: CPU)")
+    p.add_argument("--precision", choices=("default", "f32"), default="default",
+                   help="f32 forces full-precision math and KV cache (exact, slower); "
+                        "default lets the device choose (bf16/u8 KV on recent CPUs)")
+    p.add_argument("--backend", choices=("openvino", "torch"), default="openvino",
+                   help="local engine: openvino (default) or the transformers reference path")
+    p.add_argument("--cache-budget", type=_parse_bytes, default=None, metavar="SIZE",
+                   help="moe/sparse engines: RAM for cached experts/neurons, e.g. 2GB or 512MB "
+                        "(default: derived from free RAM)")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens at most (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def open_engine_from_args(args: argparse.Namespace):
+    from engine.serve.factory import EngineOptions, open_engine
+
+    options = EngineOptions(device=args.device, precision=args.precision, backend=args.backend,
+                            cache_budget_bytes=args.cache_budget)
+    progress = TerminalProgress()
+    try:
+        return open_engine(args.model, kind=args.engine, options=options, progress=progress)
+    finally:
+        progress.close()
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _parse_bytes(text: str) -> int:
+    """'2GB', '512 MiB', '1000000' -> bytes (argparse type)."""
+    raw = text.strip().upper().replace(" ", "")
+    number = raw.rstrip("KMGIB")
+    unit = raw[len(number):]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GB or 512MB)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive: {text!r}")
+    return int(value)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    sampling = sampling_from_args(args)  # validate before the (slow) engine start
+    engine = open_engine_from_args(args)
+    try:
+        history: list[ChatMessage] = []
+        if args.system:
+            history.append(ChatMessage("system", args.system))
+        if args.prompt is not None:
+            _answer(engine, history, args.prompt, sampling)
+            return 0
+        interactive = sys.stdin.isatty()
+        if interactive:
+            print(f"Chatting with {engine.info.model_id} on {engine.info.device}. "
+                  "/reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            if text == "/reset":
+                history = history[:1] if args.system else []
+                continue
+            _answer(engine, history, text, sampling)
+    finally:
+        engine.close()
+
+
+def _answer(engine, history: list[ChatMessage], prompt: str, sampling: SamplingParams) -> None:
+    """Stream one answer; on success both turns join the history."""
+    history.append(ChatMessage("user", prompt))
+    request = GenerateRequest(request_id=uuid.uuid4().hex, messages=tuple(history), sampling=sampling)
+    request_id = engine.submit(request)
+    pieces: list[str] = []
+    final = None
+    try:
+        for event in engine.stream(request_id):
+            if event.text:
+                pieces.append(event.text)
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            if event.final:
+                final = event
+    except KeyboardInterrupt:
+        engine.cancel(request_id)
+        history.pop()
+        print("\n[stopped]", file=sys.stderr)
+        return
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if final is not None and final.finish_reason == "error":
+        history.pop()
+        from engine.serve.interface import EngineError
+
+        raise EngineError(final.error or "generation failed")
+    history.append(ChatMessage("assistant", "".join(pieces)))
+    if final is not None and final.usage is not None and final.timings is not None:
+        t = final.timings
+        print(f"[{final.usage.completion_tokens} tokens · {t.decode_tok_s:.1f} tok/s · "
+              f"first token {t.ttft_s * 1000:.0f} ms · {final.finish_reason}]", file=sys.stderr)

@@ -1,0 +1,226 @@
+"""Demo models: tiny random-weight models built locally, deterministically.
+
+No model hub is needed. Each demo id maps to a *recipe*: a real transformers
+config class with small dimensions, random weights drawn with a fixed seed and
+initializer_range ~0.1 (with the usual 0.02, greedy decoding of a random model
+collapses into one repeated token and comparisons prove nothing), and a BPE
+tokenizer trained on a bundled text corpus with a ChatML chat template.
+
+Builds are written to a temporary folder and renamed into place, so an
+interrupted build never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from engine.models.errors import ModelError
+
+# Bumped whenever a recipe or the tokenizer training changes, so that caches
+# built by an older Flotilla are rebuilt rather than silently reused.
+RECIPE_VERSION = 1
+
+CORPUS_PATH = Path(__file__).resolve().parent.parent.parent / "assets" / "demo" / "corpus.txt"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_VOCAB = 2048
+
+
+@dataclass(frozen=True)
+class DemoRecipe:
+    """How one demo model is built."""
+
+    demo_id: str  # the name users type: `--model demo`
+    config_class: str  # a transformers config class name
+    config: dict[str, Any]  # small dimensions; vocab and special ids are added
+    seed: int  # torch seed for the random weights
+    description: str  # one line for `flotilla models list`
+    tokenizer_of: str | None = None  # share another recipe's tokenizer (drafts)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(
+            {"v": RECIPE_VERSION, "cls": self.config_class, "cfg": self.config,
+             "seed": self.seed, "corpus": _corpus_digest()},
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_COMMON = dict(initializer_range=0.1, max_position_embeddings=4096, tie_word_embeddings=False)
+
+RECIPES: dict[str, DemoRecipe] = {
+    r.demo_id: r
+    for r in [
+        DemoRecipe(
+            "demo", "LlamaConfig",
+            dict(_COMMON, hidden_size=128, intermediate_size=352, num_hidden_layers=8,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5),
+            seed=1, description="Llama-style dense, 8 layers, hidden 128 (random weights)",
+        ),
+        DemoRecipe(
+            "demo-qwen3", "Qwen3Config",
+            dict(_COMMON, hidden_size=128, intermediate_size=320, num_hidden_layers=6,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6),
+            seed=2, description="Qwen3 dense, 6 layers, hidden 128 (random weights)",
+        ),
+        DemoRecipe(
+            "demo-moe", "Qwen2MoeConfig",
+            dict(_COMMON, hidden_size=128, intermediate_size=256, moe_intermediate_size=96,
+                 shared_expert_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 norm_topk_prob=False, rms_norm_eps=1e-6),
+            seed=3, description="Qwen2-MoE, 4 layers x 8 experts (top-2) + shared expert (random weights)",
+        ),
+        DemoRecipe(
+            "demo-draft", "LlamaConfig",
+            dict(_COMMON, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5),
+            seed=4, description="small Llama draft sharing demo's tokenizer (random weights)",
+            tokenizer_of="demo",
+        ),
+    ]
+}
+
+
+def demo_ids() -> list[str]:
+    return list(RECIPES)
+
+
+def is_demo_id(name: str) -> bool:
+    return name in RECIPES
+
+
+def cache_root() -> Path:
+    """Where demo models live: $FLOTILLA_CACHE or the user cache folder."""
+    env = os.environ.get("FLOTILLA_CACHE")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("flotilla", appauthor=False))
+
+
+def demo_path(demo_id: str) -> Path:
+    return recipe_path(_recipe(demo_id))
+
+
+def recipe_path(recipe: DemoRecipe) -> Path:
+    return cache_root() / "demo" / f"{recipe.demo_id}-{recipe.fingerprint()}"
+
+
+def ensure_demo(demo_id: str, progress: Callable[[str, float], None] | None = None) -> Path:
+    """Return the folder of a demo model, building it first if it is missing."""
+    return ensure_recipe(_recipe(demo_id), progress)
+
+
+def ensure_recipe(recipe: DemoRecipe, progress: Callable[[str, float], None] | None = None) -> Path:
+    """Build any recipe (also ones made up by tests and benchmarks, e.g. a tiny
+    Mixtral or a compute-bound dense model) into the cache, once."""
+    target = recipe_path(recipe)
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    demo_id = recipe.demo_id
+    report = progress or (lambda _msg, _frac: None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{demo_id}-", dir=target.parent))
+    try:
+        report(f"training tokenizer for {demo_id}", 0.1)
+        tok = _tokenizer(recipe.tokenizer_of or demo_id)
+        report(f"initialising {demo_id} weights", 0.5)
+        _build_model(recipe, tok, tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "flotilla-demo.json").write_text(
+            json.dumps({"demo_id": demo_id, "fingerprint": recipe.fingerprint(),
+                        "description": recipe.description}, indent=2)
+        )
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process finished the same build first: theirs is identical.
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    report(f"{demo_id} ready", 1.0)
+    return target
+
+
+def _recipe(demo_id: str) -> DemoRecipe:
+    try:
+        return RECIPES[demo_id]
+    except KeyError:
+        raise ModelError(f"unknown demo model {demo_id!r}; demo models: {', '.join(RECIPES)}") from None
+
+
+def _corpus_digest() -> str:
+    return hashlib.sha256(CORPUS_PATH.read_bytes()).hexdigest()[:16]
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _tokenizer(owner_id: str):
+    """Train (once per process) the BPE tokenizer of a demo recipe."""
+    if owner_id in _TOKENIZERS:
+        return _TOKENIZERS[owner_id]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if not CORPUS_PATH.exists():
+        raise ModelError(f"demo corpus missing: {CORPUS_PATH} (is the checkout complete?)")
+    text = CORPUS_PATH.read_text(encoding="utf-8")
+    bpe = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in text.splitlines() if line.strip()]
+    bpe.train_from_iterator(lines, trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    _TOKENIZERS[owner_id] = tok
+    return tok
+
+
+def _build_model(recipe: DemoRecipe, tok, out: Path) -> None:
+    import torch
+    import transformers
+
+    config_cls = getattr(transformers, recipe.config_class)
+    config = config_cls(
+        vocab_size=len(tok),
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        **recipe.config,
+    )
+    torch.manual_seed(recipe.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="100GB")

@@ -1,0 +1,1 @@
+"""Pipeline-parallel inference across peers: planning, shards, workers, coordinator."""

@@ -1,0 +1,65 @@
+"""Flotilla's one wire vocabulary: typed messages, their codec, the version.
+
+Light on purpose (numpy and msgpack only, nothing else from engine, no torch),
+because the desktop app imports it.
+
+    data = encode(GenerateRequest("r1", prompt="hi"))
+    msg = decode(data)                      # ProtocolError on any bad input
+    frames = encode_frames(msg, [hidden])   # header + raw tensor frames
+    msg, tensors = decode_frames(frames)
+"""
+
+from engine.protocol.codec import (
+    MAX_MESSAGE_BYTES,
+    decode,
+    encode,
+    register,
+    registered,
+)
+from engine.protocol.errors import ERROR_CODES, ProtocolError
+from engine.protocol.frames import (
+    DTYPES,
+    MAX_TENSOR_BYTES,
+    FramedHeader,
+    TensorSpec,
+    decode_frames,
+    encode_frames,
+)
+from engine.protocol.messages import (
+    FINISH_REASONS,
+    ROLES,
+    ChatMessage,
+    ErrorReply,
+    GenerateRequest,
+    SamplingParams,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+from engine.protocol.version import PROTOCOL_VERSION
+
+__all__ = [
+    "DTYPES",
+    "ERROR_CODES",
+    "FINISH_REASONS",
+    "MAX_MESSAGE_BYTES",
+    "MAX_TENSOR_BYTES",
+    "PROTOCOL_VERSION",
+    "ROLES",
+    "ChatMessage",
+    "ErrorReply",
+    "FramedHeader",
+    "GenerateRequest",
+    "ProtocolError",
+    "SamplingParams",
+    "TensorSpec",
+    "Timings",
+    "TokenEvent",
+    "Usage",
+    "decode",
+    "decode_frames",
+    "encode",
+    "encode_frames",
+    "register",
+    "registered",
+]

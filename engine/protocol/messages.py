@@ -1,0 +1,209 @@
+"""Messages of the generation API: what a chat, the CLI or the HTTP API send
+to an engine, and the events an engine streams back.
+
+Every message is a frozen dataclass validated on construction, so an invalid
+one cannot exist. The codec (engine.protocol.codec) turns them into bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from engine.protocol._checks import is_int as _is_int
+from engine.protocol._checks import is_num as _is_num
+from engine.protocol._checks import is_text as _is_text
+from engine.protocol._checks import require as _require
+from engine.protocol._checks import set_float as _set_float
+from engine.protocol.errors import ERROR_CODES, ProtocolError, one_line
+
+ROLES = ("system", "user", "assistant")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+MAX_TEXT_CHARS = 1_000_000  # one chat message or prompt
+MAX_MESSAGES = 1_000
+MAX_STOP_STRINGS = 16
+MAX_NEW_TOKENS = 1_000_000
+MAX_STOP_CHARS = 256  # one stop string
+MAX_ID_CHARS = 128  # request ids
+MAX_TOKEN_ID = 2**31 - 1  # token ids fit an int32 tensor on the data plane
+MAX_COUNT = 2**63 - 1  # counters fit a signed 64-bit int on the wire
+MAX_ERROR_CHARS = 1_000  # an error reason is one line, not a traceback
+
+
+def _is_request_id(v: object) -> bool:
+    return _is_text(v, MAX_ID_CHARS, allow_empty=False)
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    KIND: ClassVar[str] = "chat_message"
+    role: str  # "system" | "user" | "assistant"
+    content: str  # the text of the turn
+
+    def __post_init__(self) -> None:
+        # isinstance first: `x in ROLES` on an odd object may itself raise
+        _require(isinstance(self.role, str) and self.role in ROLES,
+                 f"role must be one of {ROLES}, got {self.role!r:.40}")
+        _require(isinstance(self.content, str), "content must be a string")
+        _require(len(self.content) <= MAX_TEXT_CHARS, "content is too long")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    KIND: ClassVar[str] = "sampling_params"
+    max_tokens: int = 256  # new tokens at most
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # 0 = no top-k cut
+    repetition_penalty: float = 1.0  # 1 = off; >1 discourages repeats (CTRL rule)
+    seed: int | None = None  # fixes the sampling RNG of this request
+    stop: tuple[str, ...] = ()  # generation ends before any of these strings
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_NEW_TOKENS,
+                 f"max_tokens must be an integer in 1..{MAX_NEW_TOKENS}")
+        _require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
+                 "temperature must be a number in 0..100")
+        _require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        _require(_is_int(self.top_k) and 0 <= self.top_k <= MAX_TOKEN_ID,
+                 "top_k must be a non-negative integer")
+        _require(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
+                 "repetition_penalty must be in (0, 100]")
+        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_COUNT),
+                 "seed must be a non-negative 63-bit integer")
+        _require(isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOP_STRINGS
+                 and all(_is_text(s, MAX_STOP_CHARS, allow_empty=False) for s in self.stop),
+                 f"stop must be at most {MAX_STOP_STRINGS} non-empty strings "
+                 f"of at most {MAX_STOP_CHARS} characters")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            _set_float(self, name)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: either a chat (messages) or a raw prompt, never both."""
+
+    KIND: ClassVar[str] = "generate_request"
+    request_id: str  # unique per engine; chosen by the client
+    messages: tuple[ChatMessage, ...] | None = None  # chat turns, templated by the engine
+    prompt: str | None = None  # raw text, no template (the /v1/completions path)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        _require(_is_request_id(self.request_id),
+                 f"request_id must be a non-empty string of at most {MAX_ID_CHARS} characters")
+        _require((self.messages is None) != (self.prompt is None),
+                 "give exactly one of messages or prompt")
+        if self.messages is not None:
+            _require(isinstance(self.messages, tuple) and 0 < len(self.messages) <= MAX_MESSAGES,
+                     f"messages must hold 1..{MAX_MESSAGES} chat messages")
+            _require(all(isinstance(m, ChatMessage) for m in self.messages),
+                     "messages must be ChatMessage values")
+        if self.prompt is not None:
+            _require(_is_text(self.prompt, MAX_TEXT_CHARS),
+                     "prompt must be a string of reasonable length")
+        _require(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
+
+
+@dataclass(frozen=True)
+class Usage:
+    KIND: ClassVar[str] = "usage"
+    prompt_tokens: int  # tokens the engine read (after templating)
+    completion_tokens: int  # tokens it generated
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.prompt_tokens) and 0 <= self.prompt_tokens <= MAX_COUNT,
+                 "bad prompt_tokens")
+        _require(_is_int(self.completion_tokens) and 0 <= self.completion_tokens <= MAX_COUNT,
+                 "bad completion_tokens")
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timings:
+    KIND: ClassVar[str] = "timings"
+    queued_s: float  # from submit to the start of prefill
+    ttft_s: float  # from submit to the first token
+    total_s: float  # from submit to the end
+    decode_tok_s: float  # generated tokens per second after the first one (0 if < 2 tokens)
+
+    def __post_init__(self) -> None:
+        for name in ("queued_s", "ttft_s", "total_s", "decode_tok_s"):
+            v = getattr(self, name)
+            _require(_is_num(v) and v >= 0.0, f"{name} must be a non-negative number")
+            _set_float(self, name)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A piece of a streamed answer. The last event of a request has
+    finish_reason set, with usage and timings; earlier ones have neither."""
+
+    KIND: ClassVar[str] = "token_event"
+    request_id: str  # which request this belongs to
+    text: str = ""  # new text since the previous event (may be "" while a
+    #                 multi-byte character or a possible stop string is pending)
+    token_ids: tuple[int, ...] = ()  # new token ids since the previous event
+    finish_reason: str | None = None  # None while streaming, then one of FINISH_REASONS
+    usage: Usage | None = None  # on the final event
+    timings: Timings | None = None  # on the final event
+    error: str | None = None  # one-line reason when finish_reason == "error"
+
+    def __post_init__(self) -> None:
+        _require(_is_request_id(self.request_id), "bad request_id")
+        _require(_is_text(self.text, MAX_TEXT_CHARS), "text must be a string of reasonable length")
+        _require(isinstance(self.token_ids, tuple) and len(self.token_ids) <= MAX_NEW_TOKENS
+                 and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.token_ids),
+                 f"token_ids must be integers in 0..{MAX_TOKEN_ID}")
+        _require(self.finish_reason is None
+                 or (isinstance(self.finish_reason, str) and self.finish_reason in FINISH_REASONS),
+                 f"finish_reason must be one of {FINISH_REASONS}")
+        # An error reason and finish_reason "error" come together or not at all,
+        # so a client never shows an error without a why, nor a why without one.
+        _require(self.error is None or _is_text(self.error, MAX_ERROR_CHARS),
+                 f"error must be a string of at most {MAX_ERROR_CHARS} characters")
+        _require((self.error is not None) == (self.finish_reason == "error"),
+                 "error goes with finish_reason 'error', and only with it")
+        _require(self.usage is None or isinstance(self.usage, Usage), "bad usage")
+        _require(self.timings is None or isinstance(self.timings, Timings), "bad timings")
+        _require(self.finish_reason is not None or (self.usage is None and self.timings is None),
+                 "usage and timings belong to the final event only")
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A peer's answer to input it could not handle. Built from a
+    ProtocolError with from_exception, or directly for non-wire failures."""
+
+    KIND: ClassVar[str] = "error_reply"
+    request_id: str | None  # the request refused, when it could be read; else None
+    code: str  # one of ERROR_CODES, for the other side to branch on
+    message: str  # one-line human reason, safe to show; no internals
+
+    def __post_init__(self) -> None:
+        _require(self.request_id is None or _is_request_id(self.request_id), "bad request_id")
+        _require(isinstance(self.code, str) and self.code in ERROR_CODES,
+                 f"code must be one of {ERROR_CODES}")
+        _require(_is_text(self.message, MAX_ERROR_CHARS),
+                 f"message must be a string of at most {MAX_ERROR_CHARS} characters")
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, request_id: str | None = None) -> ErrorReply:
+        """A reply for exc: a ProtocolError keeps its code and reason; anything
+        else becomes "internal" with no detail, because exception text from
+        deep inside an engine may leak paths or data."""
+        rid = request_id if _is_request_id(request_id) else None
+        if isinstance(exc, ProtocolError):
+            return cls(rid, exc.code, one_line(exc, MAX_ERROR_CHARS))
+        return cls(rid, "internal", "internal error")

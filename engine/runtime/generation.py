@@ -1,0 +1,135 @@
+"""The generation loop, as small steps a scheduler can interleave.
+
+    gen = Generation.create(request, prompt_ids, stream, tokenizer, eos_ids, limit)
+    step(gen)   -> a TokenEvent, or None while a long prompt is still prefilling
+
+step() does one unit of work: a prefill chunk, or (prefill done) pick the next
+token from the last logits, detokenize it, decide whether the answer ended,
+and -- only when it goes on -- run the model on that token on the next step.
+A request ends with "stop" (EOS or a stop string), "length" (max_tokens or
+the context is full), or is ended from outside with finished(gen, reason).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.protocol.messages import GenerateRequest, Timings, TokenEvent, Usage
+from engine.runtime.backend import ModelStream
+from engine.runtime.detokenize import Detokenizer
+from engine.runtime.sampling import Sampler, SamplerConfig
+
+
+@dataclass
+class Generation:
+    request: GenerateRequest  # what was asked
+    prompt_ids: list[int]  # templated prompt tokens
+    stream: ModelStream  # this request's KV state
+    sampler: Sampler  # per-request RNG and logits processing
+    detok: Detokenizer  # text deltas, EOS and stop strings
+    max_new: int  # new tokens allowed (max_tokens, capped by the context)
+    chunk: int = 512  # prompt tokens per prefill step
+    t_submit: float = field(default_factory=time.perf_counter)  # perf_counter at submit
+    t_start: float | None = None  # prefill began
+    t_first: float | None = None  # first token picked
+    prefilled: int = 0  # prompt tokens already in the KV state
+    output_ids: list[int] = field(default_factory=list)  # generated tokens
+    pending: int | None = None  # last token, not yet fed to the model
+    logits: np.ndarray | None = None  # float32 [vocab] for the next pick
+    finish_reason: str | None = None  # set once the answer ended
+
+    @classmethod
+    def create(cls, request: GenerateRequest, prompt_ids: list[int], stream: ModelStream,
+               tokenizer: Any, eos_ids: frozenset[int], context_length: int,
+               chunk: int = 512, t_submit: float | None = None) -> "Generation":
+        """context_length bounds prompt + answer; raises ValueError if the prompt does not fit."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty (no tokens after templating)")
+        if len(prompt_ids) >= context_length:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                             f"{context_length} (prompt + answer); shorten the conversation")
+        s = request.sampling
+        return cls(
+            request=request, prompt_ids=list(prompt_ids), stream=stream,
+            sampler=Sampler(SamplerConfig.from_params(s), prompt_ids),
+            detok=Detokenizer(tokenizer, prompt_ids, s.stop, eos_ids),
+            max_new=min(s.max_tokens, context_length - len(prompt_ids)), chunk=chunk,
+            t_submit=time.perf_counter() if t_submit is None else t_submit)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+def prefill_step(gen: Generation) -> None:
+    """Feed the next chunk of the prompt; sets gen.logits after the last one."""
+    if gen.t_start is None:
+        gen.t_start = time.perf_counter()
+    part = gen.prompt_ids[gen.prefilled:gen.prefilled + gen.chunk]
+    logits = gen.stream.prefill(part)
+    gen.prefilled += len(part)
+    if gen.prefilled == len(gen.prompt_ids):
+        gen.logits = logits
+
+
+def decode_one(gen: Generation) -> TokenEvent:
+    """Pick one token (feeding the previous one first) and return its event."""
+    if gen.pending is not None:
+        gen.logits = gen.stream.decode(gen.pending)
+        gen.pending = None
+    token = gen.sampler.sample(gen.logits)
+    gen.logits = None
+    if gen.t_first is None:
+        gen.t_first = time.perf_counter()
+    gen.output_ids.append(token)
+    delta = gen.detok.push(token)
+    if delta.stopped:
+        return finished(gen, "stop", delta.text, (token,))
+    if len(gen.output_ids) >= gen.max_new:
+        return finished(gen, "length", delta.text + gen.detok.finish(), (token,))
+    gen.pending = token
+    return TokenEvent(gen.request_id, text=delta.text, token_ids=(token,))
+
+
+def step(gen: Generation) -> TokenEvent | None:
+    """One unit of work: a prefill chunk (-> None) or one token (-> its event)."""
+    if gen.prefilled < len(gen.prompt_ids):
+        prefill_step(gen)
+        if gen.logits is None:
+            return None
+    return decode_one(gen)
+
+
+def decode_n(gen: Generation, n: int | None = None) -> list[TokenEvent]:
+    """Run up to n token steps (all of them when None) -- for scripts and tests."""
+    events: list[TokenEvent] = []
+    while gen.finish_reason is None and (n is None or len(events) < n):
+        ev = step(gen)
+        if ev is not None:
+            events.append(ev)
+    return events
+
+
+def finished(gen: Generation, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
+             error: str | None = None) -> TokenEvent:
+    """The final event of a request (usage and timings included)."""
+    gen.finish_reason = reason
+    if reason in ("cancelled", "error") and not gen.detok.done:
+        text += gen.detok.finish() if reason == "cancelled" else ""
+    return TokenEvent(gen.request_id, text=text, token_ids=token_ids, finish_reason=reason,
+                      usage=Usage(len(gen.prompt_ids), len(gen.output_ids)),
+                      timings=timings(gen), error=error)
+
+
+def timings(gen: Generation, now: float | None = None) -> Timings:
+    end = time.perf_counter() if now is None else now
+    start = gen.t_start if gen.t_start is not None else end
+    first = gen.t_first if gen.t_first is not None else end
+    n = len(gen.output_ids)
+    rate = (n - 1) / (end - first) if n >= 2 and end > first else 0.0
+    return Timings(queued_s=max(0.0, start - gen.t_submit), ttft_s=max(0.0, first - gen.t_submit),
+                   total_s=max(0.0, end - gen.t_submit), decode_tok_s=rate)

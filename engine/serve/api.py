@@ -1,0 +1,567 @@
+"""OpenAI-compatible HTTP API over any Flotilla Engine (FastAPI + uvicorn + SSE).
+
+Endpoints: GET /v1/models, GET /v1/models/{model}, POST /v1/chat/completions,
+POST /v1/completions. `stream: true` answers with Server-Sent Events
+(`data: {chunk}` lines, then `data: [DONE]`); otherwise with one JSON body.
+
+Request fields used: model, messages / prompt, max_tokens, max_completion_tokens
+(wins over max_tokens), temperature (0..2), top_p, seed, stop (a string or a
+list), n (must be 1), stream, stream_options.include_usage, and the extensions
+top_k and repetition_penalty. Without max_tokens the engine's default
+(SamplingParams.max_tokens) applies. Message roles: system, user, assistant;
+"developer" is read as "system"; content is a string or a list of text parts.
+Fields that are accepted and ignored: frequency_penalty, presence_penalty,
+logit_bias, logprobs, top_logprobs, user, tools, tool_choice,
+parallel_tool_calls, response_format, service_tier, store, metadata,
+modalities, reasoning_effort, prediction, audio, web_search_options,
+message `name`, and for /v1/completions echo, suffix and best_of (and any other
+unknown field).
+
+Every error is OpenAI's JSON `{"error": {"message", "type", "param", "code"}}`:
+400 malformed JSON / invalid values, 401 missing or wrong API key (when one is
+configured), 404 unknown model or URL, 405 wrong method, 503 engine refused
+(closed, overloaded), 500 anything else (no traceback in the body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import HTTPException, RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import EventSourceResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.protocol.errors import ProtocolError
+from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams, TokenEvent
+from engine.serve.interface import Engine, EngineError
+
+log = logging.getLogger(__name__)
+
+API_TITLE = "Flotilla OpenAI-compatible API"
+API_VERSION = "1.0"
+
+
+# -- errors -----------------------------------------------------------------------
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _error_response(e: ApiError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status,
+                        headers=dict(headers or {}))
+
+
+# -- request schemas (what the OpenAI clients send) -----------------------------------
+class _Lenient(BaseModel):
+    # extra="allow": unknown OpenAI fields are accepted and ignored (module doc);
+    # strict: a wrong JSON type ("0.5" for a number, 1.0 for an integer) is a 400.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class ContentPart(_Lenient):
+    type: str = Field(description='only "text" parts are supported')
+    text: str | None = None
+
+
+class ChatMessageIn(_Lenient):
+    role: str = Field(description='"system", "user", "assistant" ("developer" = "system")')
+    content: str | list[ContentPart] | None = Field(default=None, description="text or text parts")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = Field(default=False, description="send a last chunk with usage")
+
+
+class _Sampling(_Lenient):
+    model: str = Field(description="a model id from GET /v1/models")
+    max_tokens: int | None = Field(default=None, description="new tokens at most")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: float | None = Field(default=None, description="nucleus mass kept, (0, 1]")
+    n: int | None = Field(default=None, description="choices per request; only 1 is supported")
+    seed: int | None = Field(default=None, description="fixes the sampling RNG")
+    stop: str | list[str] | None = Field(default=None, description="stop strings")
+    stream: bool = Field(default=False, description="answer with Server-Sent Events")
+    stream_options: StreamOptions | None = None
+    top_k: int | None = Field(default=None, description="extension: keep the k likeliest tokens (0 = off)")
+    repetition_penalty: float | None = Field(default=None, description="extension: >1 discourages repeats")
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions"""
+
+    messages: list[ChatMessageIn] = Field(min_length=1, description="the conversation so far")
+    max_completion_tokens: int | None = Field(default=None,
+                                              description="new tokens at most (wins over max_tokens)")
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions"""
+
+    prompt: str | list[str] = Field(description="raw text, no chat template (a list must hold one string)")
+
+
+# -- response schemas (for the OpenAPI document; handlers build plain dicts) ----------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    engine: str = Field(description="extension: which Flotilla engine answers")
+    device: str = Field(description="extension: e.g. CPU")
+    context_length: int = Field(description="extension: prompt + answer tokens per request")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class UsageOut(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    """Non-streaming answer; streaming sends chat.completion.chunk objects instead."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class Completion(BaseModel):
+    """Non-streaming answer; streaming sends text_completion chunks instead."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageOut
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    s: {"model": ErrorResponse, "description": d}
+    for s, d in [(400, "Invalid request"), (401, "Missing or wrong API key"),
+                 (404, "Unknown model"), (500, "Engine failure"), (503, "Engine unavailable")]
+}
+
+
+def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    ok = {"model": model, "description": "JSON, or Server-Sent Events when stream is true",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    return {200: ok, **_ERRORS}
+
+
+# -- mapping requests onto the engine protocol ----------------------------------------
+def _sampling(body: _Sampling, max_tokens: int | None) -> SamplingParams:
+    if body.n is not None and body.n != 1:
+        raise ApiError(400, "n must be 1: this server returns one choice per request", param="n")
+    stop = body.stop
+    kw: dict[str, Any] = {
+        "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        "top_k": body.top_k, "repetition_penalty": body.repetition_penalty, "seed": body.seed,
+        "stop": None if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop)),
+    }
+    return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
+
+
+def _chat_message(m: ChatMessageIn) -> ChatMessage:
+    role = "system" if m.role == "developer" else m.role
+    if m.content is None:
+        content = ""
+    elif isinstance(m.content, str):
+        content = m.content
+    else:
+        if any(p.type != "text" or p.text is None for p in m.content):
+            raise ApiError(400, "only text content parts are supported", param="messages")
+        content = "".join(p.text or "" for p in m.content)
+    return ChatMessage(role=role, content=content)
+
+
+def _build(request_id: str, body: _Sampling) -> GenerateRequest:
+    """Turn an API body into a GenerateRequest; ProtocolError becomes a 400."""
+    try:
+        if isinstance(body, ChatCompletionRequest):
+            mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            return GenerateRequest(request_id=request_id, sampling=_sampling(body, mt),
+                                   messages=tuple(_chat_message(m) for m in body.messages))
+        assert isinstance(body, CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt must be a string or a list of exactly one string",
+                               param="prompt")
+            prompt = prompt[0]
+        return GenerateRequest(request_id=request_id, prompt=prompt,
+                               sampling=_sampling(body, body.max_tokens))
+    except ProtocolError as e:
+        reason = str(e)
+        first = reason.split(" ", 1)[0]
+        raise ApiError(400, reason, param=first if first in type(body).model_fields else None) from None
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _usage(final: TokenEvent | None) -> dict[str, int]:
+    p = final.usage.prompt_tokens if final and final.usage else 0
+    c = final.usage.completion_tokens if final and final.usage else 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _finish(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"  # "cancelled" ends like a stop
+
+
+# -- the app ----------------------------------------------------------------------------
+class _ApiKeyMiddleware:
+    """Pure ASGI: checks `Authorization: Bearer <key>` on /v1 before the body is read."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = Headers(scope=scope).get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if not auth:
+                err = ApiError(401, "You didn't provide an API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+            elif scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.key):
+                err = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+            else:
+                err = None
+            if err is not None:
+                await _error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, e: RequestValidationError) -> JSONResponse:
+        errors = list(e.errors())
+        bad_json = [err for err in errors if err.get("type") == "json_invalid"]
+        if bad_json:
+            why = (bad_json[0].get("ctx") or {}).get("error", "")
+            return _error_response(ApiError(400, f"We could not parse the JSON body of your request ({why})."))
+        parts: list[str] = []
+        param = None
+        for err in errors:
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            if param is None and loc:
+                param = loc[0]
+            text = f"{'.'.join(loc)}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid")
+            if text not in parts:
+                parts.append(text)
+        message = "; ".join(parts[:4]) or "invalid request body"
+        return _error_response(ApiError(400, message, param=param))
+
+    async def _http(req: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            err = ApiError(404, f"Unknown request URL: {req.method} {req.url.path}.", code="unknown_url")
+        elif e.status_code == 405:
+            err = ApiError(405, f"Method {req.method} is not allowed for {req.url.path}.",
+                           code="method_not_allowed")
+        else:
+            err = ApiError(e.status_code, str(e.detail), "server_error" if e.status_code >= 500
+                           else "invalid_request_error")
+        return _error_response(err, e.headers)
+
+    app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http)  # type: ignore[arg-type]
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error in the API", exc_info=e)
+        return _error_response(ApiError(500, "The server had an error while processing your request.",
+                                        "server_error", code="internal_error"))
+
+
+def create_app(engines: Mapping[str, Engine] | Engine, api_key: str | None = None) -> FastAPI:
+    """An OpenAI-compatible app over one engine or several, keyed by model id."""
+    table: dict[str, Engine] = (
+        {engines.info.model_id: engines} if isinstance(engines, Engine) else dict(engines)
+    )
+    if not table:
+        raise ValueError("create_app needs at least one engine")
+    created = int(time.time())
+    app = FastAPI(
+        title=API_TITLE, version=API_VERSION,
+        description="Chat and text completions from Flotilla engines (local, pipeline, MoE "
+                    "offloading, sparse), wire-compatible with the OpenAI API.",
+        openapi_tags=[{"name": "models", "description": "Which models this server answers with"},
+                      {"name": "generation", "description": "Chat and text completions"}],
+    )
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    _install_error_handlers(app)
+    app.state.engines = table
+
+    def engine_for(model: str) -> Engine:
+        engine = table.get(model)
+        if engine is None:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return engine
+
+    def card(model_id: str, engine: Engine) -> dict[str, Any]:
+        info = engine.info
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "flotilla",
+                "engine": info.engine, "device": info.device, "context_length": info.context_length}
+
+    @app.get("/v1/models", tags=["models"], summary="List models", response_model=ModelList,
+             responses={401: _ERRORS[401]})
+    async def list_models() -> Any:
+        return {"object": "list", "data": [card(k, e) for k, e in table.items()]}
+
+    @app.get("/v1/models/{model}", tags=["models"], summary="Retrieve a model", response_model=ModelCard,
+             responses={401: _ERRORS[401], 404: _ERRORS[404]})
+    async def get_model(model: str) -> Any:
+        return card(model, engine_for(model))
+
+    @app.post("/v1/chat/completions", tags=["generation"], summary="Create a chat completion",
+              responses=_generation_responses(ChatCompletion))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await _generate(body, request, engine_for(body.model), chat=True)
+
+    @app.post("/v1/completions", tags=["generation"], summary="Create a text completion",
+              responses=_generation_responses(Completion))
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _generate(body, request, engine_for(body.model), chat=False)
+
+    return app
+
+
+# -- one generation ---------------------------------------------------------------------
+def _submit(engine: Engine, req: GenerateRequest) -> None:
+    try:
+        engine.submit(req)
+    except EngineError as e:
+        raise ApiError(503, f"The engine cannot take this request: {e}", "server_error",
+                       code="engine_unavailable") from None
+    except ProtocolError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _cancel(engine: Engine, request_id: str) -> None:
+    try:
+        engine.cancel(request_id)
+    except Exception:  # already finished or forgotten: nothing left to stop
+        pass
+
+
+async def _generate(body: _Sampling, request: Request, engine: Engine, chat: bool) -> Any:
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    req = _build(rid, body)
+    _submit(engine, req)
+    head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": body.model}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventSourceResponse(_sse(engine, rid, head, chat, include_usage), ping=15)
+    text, final = await _collect(engine, rid, request)
+    if final is not None and final.finish_reason == "error":
+        raise ApiError(500, f"The engine failed: {final.error or 'unknown error'}", "server_error",
+                       code="engine_error")
+    finish = _finish(final.finish_reason if final else None)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": finish}
+        head = {**head, "object": "chat.completion"}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
+
+
+async def _collect(engine: Engine, rid: str, request: Request) -> tuple[str, TokenEvent | None]:
+    """Gather a whole answer; a client that hangs up cancels the engine request."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        _cancel(engine, rid)
+
+    watcher = asyncio.create_task(watch())
+    parts: list[str] = []
+    final: TokenEvent | None = None
+    try:
+        async with contextlib.aclosing(engine.async_stream(rid)) as events:
+            async for ev in events:
+                parts.append(ev.text)
+                if ev.final:
+                    final = ev
+    finally:
+        watcher.cancel()
+        if final is None:
+            _cancel(engine, rid)
+    return "".join(parts), final
+
+
+async def _sse(engine: Engine, rid: str, head: dict[str, Any], chat: bool,
+               include_usage: bool) -> AsyncIterator[dict[str, str]]:
+    """SSE events of one streamed answer. A disconnect cancels this generator
+    (sse-starlette), which cancels the engine request in `finally`."""
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, str]:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"data": _dumps({**head, "choices": [choice], **extra})}
+
+    final: TokenEvent | None = None
+    try:
+        if chat:
+            yield chunk(None, None, first=True)
+        async with contextlib.aclosing(engine.async_stream(rid)) as events:
+            async for ev in events:
+                if not ev.final:
+                    if ev.text:
+                        yield chunk(ev.text, None)
+                    continue
+                final = ev
+                if ev.finish_reason == "error":
+                    if ev.text:
+                        yield chunk(ev.text, None)
+                    err = error_body(f"The engine failed: {ev.error or 'unknown error'}",
+                                     "server_error", code="engine_error")
+                    yield {"data": _dumps(err)}
+                else:
+                    yield chunk(ev.text, _finish(ev.finish_reason))
+                    if include_usage:
+                        yield {"data": _dumps({**head, "choices": [], "usage": _usage(ev)})}
+    except Exception as e:  # headers are sent: report in-band, as for an engine error
+        log.exception("unexpected error while streaming %s", rid, exc_info=e)
+        yield {"data": _dumps(error_body("The server had an error while streaming the answer.",
+                                         "server_error", code="internal_error"))}
+    finally:
+        if final is None:
+            _cancel(engine, rid)
+    yield {"data": "[DONE]"}
+
+
+# -- serving ----------------------------------------------------------------------------
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve in the foreground until Ctrl-C (binds 127.0.0.1 unless told otherwise)."""
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+class ApiServer:
+    """uvicorn in a background thread: start() returns once it listens; port 0
+    picks a free port (read it from .port afterwards); stop() shuts it down."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        self.app, self.host, self.port = app, host, port
+        self._config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                      timeout_graceful_shutdown=2, lifespan="off")
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ApiServer":
+        if self._thread is not None:
+            raise RuntimeError("the server is already started")
+        server = uvicorn.Server(self._config)
+        self._server = server
+        self._thread = threading.Thread(target=server.run, name="flotilla-api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not self._thread.is_alive():
+                self._thread = None
+                raise OSError(f"the API server could not listen on {self.host}:{self.port}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the API server did not start within {timeout} s")
+            time.sleep(0.01)
+        self.port = server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        server, thread = self._server, self._thread
+        if server is None or thread is None:
+            return
+        server.should_exit = True
+        thread.join(timeout)
+        if thread.is_alive():
+            server.force_exit = True
+            thread.join(timeout)
+        self._thread = None
+
+    def __enter__(self) -> "ApiServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

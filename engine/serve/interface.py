@@ -1,0 +1,145 @@
+"""The one interface every Flotilla engine implements.
+
+submit() is non-blocking and returns at once; events come back through
+stream() (a blocking iterator, for threads) or async_stream() (for asyncio),
+in order, ending with exactly one final event (finish_reason set). cancel()
+ends a request early with finish_reason "cancelled". close() stops the engine;
+requests still running end with finish_reason "error".
+
+The chat window, the CLI, the HTTP API and the benchmarks only use this, so
+they do not care whether a local model, a pipeline or an offloading engine
+answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+from engine.protocol.messages import GenerateRequest, TokenEvent
+
+
+class EngineError(RuntimeError):
+    """An engine refused a request (closed, duplicate id, overloaded...)."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_id: str  # what /v1/models lists and the UI shows
+    engine: str  # "local", "pipeline", "moe", "sparse"
+    device: str  # e.g. "CPU"
+    context_length: int  # tokens (prompt + answer) one request may hold
+
+
+class Engine(ABC):
+    """Base class: per-request event queues; subclasses produce events with
+    self._emit(event) from whatever thread computes them."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, queue.SimpleQueue[TokenEvent]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- the interface -------------------------------------------------------
+    @property
+    @abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    def submit(self, request: GenerateRequest) -> str:
+        with self._lock:
+            if self._closed:
+                raise EngineError("the engine is closed")
+            if request.request_id in self._queues:
+                raise EngineError(f"request id {request.request_id!r} is already in use")
+            self._queues[request.request_id] = queue.SimpleQueue()
+        try:
+            self._start(request)
+        except Exception:
+            with self._lock:
+                self._queues.pop(request.request_id, None)
+            raise
+        return request.request_id
+
+    def stream(self, request_id: str, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Yield the events of a request until its final one (then forget it)."""
+        q = self._queue(request_id)
+        try:
+            while True:
+                try:
+                    event = q.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"no event for {request_id} within {timeout} s") from None
+                yield event
+                if event.final:
+                    return
+        finally:
+            self._forget(request_id)
+
+    async def async_stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
+        """The same as stream(), awaiting each event on the running loop."""
+        q = self._queue(request_id)
+        try:
+            while True:
+                try:
+                    event = q.get_nowait()
+                except queue.Empty:
+                    # A short blocking get in a worker thread: wakes as soon as an
+                    # event lands, and a cancelled task leaves no thread behind for long.
+                    try:
+                        event = await asyncio.to_thread(q.get, True, 0.25)
+                    except queue.Empty:
+                        continue
+                yield event
+                if event.final:
+                    return
+        finally:
+            self._forget(request_id)
+
+    def generate(self, request: GenerateRequest) -> list[TokenEvent]:
+        """Submit and collect every event (convenience for tests and scripts)."""
+        return list(self.stream(self.submit(request)))
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> None: ...
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- for subclasses --------------------------------------------------------
+    @abstractmethod
+    def _start(self, request: GenerateRequest) -> None:
+        """Begin work on a request; must not block."""
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """Stop computing; end every running request with an error event."""
+
+    def _emit(self, event: TokenEvent) -> None:
+        with self._lock:
+            q = self._queues.get(event.request_id)
+        if q is not None:
+            q.put(event)
+
+    # -- internals -------------------------------------------------------------
+    def _queue(self, request_id: str) -> queue.SimpleQueue[TokenEvent]:
+        with self._lock:
+            try:
+                return self._queues[request_id]
+            except KeyError:
+                raise EngineError(f"unknown request id {request_id!r}") from None
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)

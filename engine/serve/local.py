@@ -1,0 +1,198 @@
+"""LocalEngine: one model on this machine (OpenVINO, or the torch reference).
+
+One scheduler thread serves every request round-robin: each turn it admits
+new requests (up to max_concurrent; their prompts are prefilled chunk by
+chunk as their turns come = continuous admission), then gives every active
+request one step (a prefill chunk or one token). Each request has its own KV
+state, so answers do not depend on what else runs. A failure in one request
+ends that request with an error event; the thread goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
+from engine.runtime.backend import BACKENDS, ModelBackend, Progress, load_backend
+from engine.runtime.chat import chat_ids, prompt_ids
+from engine.runtime.detokenize import eos_token_ids
+from engine.runtime.generation import Generation, finished, step
+from engine.serve.interface import Engine, EngineError, EngineInfo
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT = 4096  # when config.json names no maximum
+IDLE_WAIT_S = 0.1  # how long the idle scheduler sleeps between checks
+
+
+def context_from_config(model_dir: Path) -> int:
+    """The model's trained context length from config.json (4096 if unknown)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return DEFAULT_CONTEXT
+    cfg = cfg.get("text_config", cfg)
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx"):
+        v = cfg.get(key)
+        if isinstance(v, int) and v > 0:
+            return v
+    return DEFAULT_CONTEXT
+
+
+class LocalEngine(Engine):
+    def __init__(self, model_path: Path, model_id: str, device: str = "CPU", precision: str = "default",
+                 backend: str = "openvino", max_concurrent: int = 8, context_length: int | None = None,
+                 progress: Progress | None = None, prefill_chunk: int = 512) -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
+        from transformers import AutoTokenizer
+
+        self.model_id = model_id
+        self.backend: ModelBackend = load_backend(backend, Path(model_path), device, precision, progress)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.backend.model_dir)
+        except Exception as e:
+            self.backend.close()
+            raise EngineError(f"cannot load the tokenizer of {model_path}: {e}") from e
+        trained = context_from_config(self.backend.model_dir)
+        self.context_length = min(context_length, trained) if context_length else trained
+        self.eos_ids = eos_token_ids(self.backend.model_dir, self.tokenizer)
+        self.max_concurrent = max_concurrent
+        self.prefill_chunk = prefill_chunk
+        self._inbox: queue.SimpleQueue[tuple[GenerateRequest, float]] = queue.SimpleQueue()
+        self._cancelled: set[str] = set()  # guarded by self._lock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"flotilla-local-{model_id}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_spec(cls, spec: str, progress: Progress | None = None, **kw: Any) -> "LocalEngine":
+        """Resolve a model spec ("demo", a folder, a hub id...) and open it."""
+        from engine.models import resolve_model
+
+        resolved = resolve_model(spec, progress)
+        return cls(Path(resolved.path), resolved.model_id, progress=progress, **kw)
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.model_id, "local", self.backend.device, self.context_length)
+
+    # -- Engine hooks ------------------------------------------------------------
+    def _start(self, request: GenerateRequest) -> None:
+        self._inbox.put((request, time.perf_counter()))
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._queues:  # unknown or finished ids are ignored
+                self._cancelled.add(request_id)
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+        self.backend.close()
+
+    # -- the scheduler thread ------------------------------------------------------
+    def _run(self) -> None:
+        waiting: collections.deque[tuple[GenerateRequest, float]] = collections.deque()
+        active: list[Generation] = []
+        while not self._stop.is_set():
+            try:
+                self._take_inbox(waiting, block=not active and not waiting)
+                self._drop_cancelled(waiting, active)
+                while waiting and len(active) < self.max_concurrent:
+                    gen = self._admit(*waiting.popleft())
+                    if gen is not None:
+                        active.append(gen)
+                for gen in list(active):
+                    if self._stop.is_set():
+                        break
+                    if self._step(gen):
+                        active.remove(gen)
+            except Exception:  # a bug in the loop itself: log, keep serving
+                log.exception("local engine scheduler error")
+        self._take_inbox(waiting, block=False)
+        for gen in active:
+            self._end(gen, finished(gen, "error", error="the engine was closed"))
+        for req, _t in waiting:
+            self._emit(TokenEvent(req.request_id, finish_reason="error", error="the engine was closed",
+                                  usage=Usage(0, 0)))
+
+    def _take_inbox(self, waiting: collections.deque, block: bool) -> None:
+        try:
+            if block:
+                waiting.append(self._inbox.get(timeout=IDLE_WAIT_S))
+            while True:
+                waiting.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _drop_cancelled(self, waiting: collections.deque, active: list[Generation]) -> None:
+        with self._lock:
+            if not self._cancelled:
+                return
+            ids = set(self._cancelled)
+        found = {w[0].request_id for w in waiting} | {g.request_id for g in active}
+        with self._lock:  # keep ids not seen yet (still in the inbox), drop forgotten ones
+            self._cancelled = {i for i in self._cancelled - found if i in self._queues}
+        for req, _t in [w for w in waiting if w[0].request_id in ids]:
+            waiting.remove((req, _t))
+            self._emit(TokenEvent(req.request_id, finish_reason="cancelled", usage=Usage(0, 0)))
+        for gen in [g for g in active if g.request_id in ids]:
+            active.remove(gen)
+            self._end(gen, finished(gen, "cancelled"))
+
+    def _admit(self, request: GenerateRequest, t_submit: float) -> Generation | None:
+        """Tokenize and open a stream; a bad request ends here with an error event."""
+        stream = None
+        try:
+            if request.messages is not None:
+                ids = chat_ids(self.tokenizer, request.messages)
+            else:
+                ids = prompt_ids(self.tokenizer, request.prompt or "")
+            stream = self.backend.new_stream()
+            return Generation.create(request, ids, stream, self.tokenizer, self.eos_ids,
+                                     self.context_length, self.prefill_chunk, t_submit)
+        except Exception as e:
+            if stream is not None:
+                stream.close()
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+                                  usage=Usage(0, 0)))
+            return None
+
+    def _step(self, gen: Generation) -> bool:
+        """Advance one request; True when it ended."""
+        try:
+            event = step(gen)
+        except Exception as e:
+            log.exception("request %s failed", gen.request_id)
+            self._end(gen, finished(gen, "error", error=_one_line(e)))
+            return True
+        if event is None:
+            return False
+        if event.final:
+            self._end(gen, event)
+            return True
+        self._emit(event)
+        return False
+
+    def _end(self, gen: Generation, event: TokenEvent) -> None:
+        try:
+            gen.stream.close()
+        finally:
+            self._emit(event)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:500]

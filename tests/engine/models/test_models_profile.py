@@ -1,0 +1,152 @@
+"""ModelProfile numbers checked against the real tensors, not against the code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.models import ExpertInfo, ModelError, ModelProfile, profile_model, resolve_model
+from engine.models.demo import demo_ids
+
+
+def _state_dict(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("demo_id", demo_ids())
+def test_demo_profile_matches_config_and_tensors(demo_id):
+    r = resolve_model(demo_id)
+    cfg = json.loads((r.path / "config.json").read_text())
+    sd = _state_dict(r.path)
+    p = profile_model(r)
+
+    L = cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert (p.model_id, p.architecture, p.model_type) == (demo_id, cfg["architectures"][0], cfg["model_type"])
+    assert (p.num_layers, p.hidden_size, p.intermediate_size) == (L, cfg["hidden_size"], cfg["intermediate_size"])
+    assert (p.num_heads, p.num_kv_heads, p.head_dim) == (
+        cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim)
+    assert p.vocab_size == cfg["vocab_size"] == sd["model.embed_tokens.weight"].shape[0]
+    assert p.dtype_bytes == 4 and p.max_context == cfg["max_position_embeddings"]
+
+    per_layer = tuple(sum(_nbytes(t) for n, t in sd.items() if n.startswith(f"model.layers.{i}."))
+                      for i in range(L))
+    assert p.bytes_per_layer == per_layer
+    assert p.embedding_bytes == _nbytes(sd["model.embed_tokens.weight"])
+    assert p.head_bytes == _nbytes(sd["lm_head.weight"]) + _nbytes(sd["model.norm.weight"])
+    assert p.total_bytes == sum(_nbytes(t) for t in sd.values())
+    assert p.embedding_bytes + sum(p.bytes_per_layer) + p.head_bytes == p.total_bytes
+    assert not p.tied_embeddings
+
+    assert p.kv_bytes_per_token == 2 * L * cfg["num_key_value_heads"] * head_dim * 4
+    assert p.kv_bytes(100) == 100 * p.kv_bytes_per_token
+    assert p.kv_bytes(100, dtype_bytes=2) == 50 * p.kv_bytes_per_token
+    assert p.layer_range_bytes(0, L) == sum(per_layer)
+    assert (p.experts is not None) == (demo_id == "demo-moe")
+
+
+def test_moe_profile_experts():
+    r = resolve_model("demo-moe")
+    sd = _state_dict(r.path)
+    p = profile_model(r)
+    e = p.experts
+    assert isinstance(e, ExpertInfo)
+    assert (e.num_experts, e.top_k) == (8, 2)
+    assert e.moe_layers == (0, 1, 2, 3)
+    for layer in e.moe_layers:
+        for j in range(8):
+            one = sum(_nbytes(t) for n, t in sd.items() if n.startswith(f"model.layers.{layer}.mlp.experts.{j}."))
+            assert one == e.bytes_per_expert
+    shared = sum(_nbytes(t) for n, t in sd.items()
+                 if n.startswith("model.layers.0.mlp.shared_expert"))  # + shared_expert_gate
+    assert shared == e.shared_expert_bytes > 0
+    assert e.bytes_per_expert == 3 * 128 * 96 * 4  # gate, up, down of hidden 128 x moe_intermediate 96
+
+
+def test_moe_stacked_expert_layout(copy_demo):
+    """transformers 5 keeps experts stacked ([E, 2I, H]); such checkpoints must profile the same."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = copy_demo("demo-moe")
+    sd = _state_dict(folder)
+    out = {n: t for n, t in sd.items() if ".mlp.experts." not in n}
+    for i in range(4):
+        pre = f"model.layers.{i}.mlp.experts"
+        out[f"{pre}.gate_up_proj"] = torch.stack([
+            torch.cat([sd[f"{pre}.{j}.gate_proj.weight"], sd[f"{pre}.{j}.up_proj.weight"]]) for j in range(8)
+        ])  # [E, 2I, H]
+        out[f"{pre}.down_proj"] = torch.stack([sd[f"{pre}.{j}.down_proj.weight"] for j in range(8)])  # [E, H, I]
+    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    stacked = profile_model(resolve_model(str(folder)))
+    per_expert = profile_model(resolve_model("demo-moe"))
+    assert stacked.experts == per_expert.experts
+    assert stacked.bytes_per_layer == per_expert.bytes_per_layer
+
+
+def test_sharded_profile_equals_single_file(copy_demo, shard):
+    sharded = profile_model(resolve_model(str(shard(copy_demo()))))
+    single = profile_model(resolve_model("demo"))
+    assert sharded.bytes_per_layer == single.bytes_per_layer
+    assert (sharded.embedding_bytes, sharded.head_bytes, sharded.total_bytes) == (
+        single.embedding_bytes, single.head_bytes, single.total_bytes)
+
+
+def test_tied_embeddings_count_the_matrix_for_the_head(copy_demo):
+    from safetensors.torch import save_file
+
+    folder = copy_demo()
+    sd = _state_dict(folder)
+    del sd["lm_head.weight"]
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    p = profile_model(resolve_model(str(folder)))
+    emb = _nbytes(sd["model.embed_tokens.weight"])
+    assert p.tied_embeddings
+    assert p.total_bytes == sum(_nbytes(t) for t in sd.values())  # on disk: once
+    assert p.head_bytes == emb + _nbytes(sd["model.norm.weight"])  # the last stage needs it too
+    assert p.embedding_bytes + sum(p.bytes_per_layer) + p.head_bytes == p.total_bytes + emb
+
+
+def test_openvino_ir_profile_from_config_scaled_to_bin(copy_demo):
+    folder = copy_demo()
+    (folder / "model.safetensors").unlink()
+    (folder / "openvino_model.xml").write_text("<net/>")
+    (folder / "openvino_model.bin").write_bytes(b"\0" * 1_000_000)  # like an int4-compressed IR
+    p = profile_model(resolve_model(str(folder)))
+    ref = profile_model(resolve_model("demo"))
+    assert p.num_layers == 8 and len(p.bytes_per_layer) == 8
+    assert p.total_bytes == 1_000_000
+    assert abs(p.embedding_bytes + sum(p.bytes_per_layer) + p.head_bytes - 1_000_000) < 100
+    # Proportions follow the real model: each layer keeps its share.
+    assert p.bytes_per_layer[0] / p.total_bytes == pytest.approx(ref.bytes_per_layer[0] / ref.total_bytes, rel=1e-3)
+
+
+@pytest.mark.parametrize("demo_id", ["demo", "demo-moe"])
+def test_json_round_trip(demo_id):
+    p = profile_model(resolve_model(demo_id))
+    data = json.loads(json.dumps(p.to_dict()))
+    assert isinstance(data["bytes_per_layer"], list)
+    back = ModelProfile.from_dict(data)
+    assert back == p
+    assert hash(back) == hash(p)  # still frozen, tuples restored
+
+
+def test_from_dict_rejects_malformed():
+    data = profile_model(resolve_model("demo")).to_dict()
+    del data["num_layers"]
+    with pytest.raises(ModelError, match="malformed model profile: missing num_layers"):
+        ModelProfile.from_dict(data)
+    with pytest.raises(ModelError, match="malformed model profile"):
+        ModelProfile.from_dict({**profile_model(resolve_model("demo")).to_dict(), "bytes_per_layer": "x"})
+    with pytest.raises(ModelError, match="version 99 is not supported"):
+        ModelProfile.from_dict({"version": 99})
+

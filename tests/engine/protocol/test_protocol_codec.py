@@ -1,0 +1,372 @@
+"""Round-trips, validation rules and the registry of engine.protocol.codec."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import pytest
+from hypothesis import given
+from protocol_strategies import FAST, all_messages, pack, wire
+
+from engine.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    ChatMessage,
+    ErrorReply,
+    GenerateRequest,
+    ProtocolError,
+    SamplingParams,
+    Timings,
+    TokenEvent,
+    Usage,
+    decode,
+    encode,
+    register,
+    registered,
+)
+
+# ---------------------------------------------------------------- round trips
+
+
+def _same_types(a: object, b: object) -> None:
+    """Equal is not enough: 1 == 1.0 and (1,) != [1] hide type drift."""
+    assert type(a) is type(b)
+    if dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            _same_types(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, tuple):
+        for x, y in zip(a, b, strict=True):
+            _same_types(x, y)
+
+
+@FAST
+@given(all_messages)
+def test_every_message_round_trips(msg: object) -> None:
+    data = encode(msg)
+    back = decode(data)
+    assert back == msg
+    _same_types(back, msg)
+    assert encode(back) == data  # deterministic bytes
+
+
+def test_all_message_classes_are_registered() -> None:
+    kinds = set(registered())
+    assert {"chat_message", "sampling_params", "generate_request", "usage", "timings",
+            "token_event", "error_reply", "tensor_spec", "framed_header"} <= kinds
+
+
+def test_envelope_shape_and_nested_plain_maps() -> None:
+    req = GenerateRequest("r", messages=(ChatMessage("user", "hi"),))
+    env = wire(req)
+    assert env["v"] == PROTOCOL_VERSION and env["k"] == "generate_request"
+    assert env["b"]["messages"] == [{"role": "user", "content": "hi"}]  # tuple -> array
+    assert env["b"]["sampling"]["stop"] == []
+
+
+def test_int_for_float_is_converted() -> None:
+    env = wire(SamplingParams())
+    env["b"]["temperature"] = 1
+    back = decode(pack(env))
+    assert back.temperature == 1.0 and type(back.temperature) is float
+    assert type(SamplingParams(temperature=1).temperature) is float
+
+
+def test_import_is_light() -> None:
+    code = ("import sys, engine.protocol; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.') "
+            "or (m.startswith('engine.') and not m.startswith('engine.protocol'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------- message rules
+
+INVALID_MESSAGES = {
+    "role": lambda: ChatMessage("robot", "x"),
+    "role_type": lambda: ChatMessage(1, "x"),
+    "content_type": lambda: ChatMessage("user", b"x"),
+    "content_long": lambda: ChatMessage("user", "x" * 1_000_001),
+    "max_tokens_zero": lambda: SamplingParams(max_tokens=0),
+    "max_tokens_big": lambda: SamplingParams(max_tokens=1_000_001),
+    "max_tokens_bool": lambda: SamplingParams(max_tokens=True),
+    "max_tokens_float": lambda: SamplingParams(max_tokens=5.0),
+    "temperature_neg": lambda: SamplingParams(temperature=-0.1),
+    "temperature_nan": lambda: SamplingParams(temperature=math.nan),
+    "temperature_big": lambda: SamplingParams(temperature=100.5),
+    "top_p_zero": lambda: SamplingParams(top_p=0.0),
+    "top_p_over": lambda: SamplingParams(top_p=1.01),
+    "top_p_nan": lambda: SamplingParams(top_p=math.nan),
+    "top_k_neg": lambda: SamplingParams(top_k=-1),
+    "rep_zero": lambda: SamplingParams(repetition_penalty=0.0),
+    "rep_inf": lambda: SamplingParams(repetition_penalty=math.inf),
+    "seed_neg": lambda: SamplingParams(seed=-1),
+    "seed_big": lambda: SamplingParams(seed=2**63),
+    "stop_list": lambda: SamplingParams(stop=["x"]),
+    "stop_empty_str": lambda: SamplingParams(stop=("",)),
+    "stop_too_many": lambda: SamplingParams(stop=tuple("abcdefghijklmnopq")),
+    "stop_too_long": lambda: SamplingParams(stop=("x" * 257,)),
+    "both_messages_and_prompt": lambda: GenerateRequest(
+        "r", messages=(ChatMessage("user", "x"),), prompt="x"),
+    "neither_messages_nor_prompt": lambda: GenerateRequest("r"),
+    "empty_messages": lambda: GenerateRequest("r", messages=()),
+    "messages_list": lambda: GenerateRequest("r", messages=[ChatMessage("user", "x")]),
+    "messages_not_chat": lambda: GenerateRequest("r", messages=("hi",)),
+    "request_id_empty": lambda: GenerateRequest("", prompt="x"),
+    "request_id_long": lambda: GenerateRequest("r" * 129, prompt="x"),
+    "sampling_type": lambda: GenerateRequest("r", prompt="x", sampling={}),
+    "usage_neg": lambda: Usage(-1, 0),
+    "usage_bool": lambda: Usage(True, 0),
+    "timings_neg": lambda: Timings(0.0, -1.0, 0.0, 0.0),
+    "timings_nan": lambda: Timings(0.0, 0.0, math.nan, 0.0),
+    "event_finish": lambda: TokenEvent("r", finish_reason="done"),
+    "event_error_without_finish": lambda: TokenEvent("r", error="boom"),
+    "event_error_with_stop": lambda: TokenEvent("r", finish_reason="stop", error="boom"),
+    "event_finish_error_without_reason": lambda: TokenEvent("r", finish_reason="error"),
+    "event_usage_not_final": lambda: TokenEvent("r", usage=Usage(1, 1)),
+    "event_timings_not_final": lambda: TokenEvent("r", timings=Timings(0, 0, 0, 0)),
+    "event_token_neg": lambda: TokenEvent("r", token_ids=(-1,)),
+    "event_token_bool": lambda: TokenEvent("r", token_ids=(True,)),
+    "event_token_list": lambda: TokenEvent("r", token_ids=[1]),
+    "event_token_big": lambda: TokenEvent("r", token_ids=(2**31,)),
+    "event_usage_type": lambda: TokenEvent("r", finish_reason="stop", usage=(1, 2)),
+    "reply_code": lambda: ErrorReply(None, "nope", "x"),
+    "reply_message_type": lambda: ErrorReply(None, "internal", None),
+    "reply_request_id": lambda: ErrorReply("", "internal", "x"),
+}
+
+
+@pytest.mark.parametrize("make", INVALID_MESSAGES.values(), ids=INVALID_MESSAGES.keys())
+def test_invalid_message_cannot_be_built(make) -> None:
+    with pytest.raises(ProtocolError):
+        make()
+
+
+def test_valid_edges_are_accepted() -> None:
+    SamplingParams(max_tokens=1, top_p=1.0, temperature=100, repetition_penalty=100,
+                   seed=2**63 - 1, stop=tuple("abcdefghijklmnop"))
+    TokenEvent("r", finish_reason="error", error="boom")
+    TokenEvent("r", finish_reason="cancelled")
+
+
+# ---------------------------------------------------------------- wire rules
+
+
+def _event() -> TokenEvent:
+    return TokenEvent("r", "hi", (1, 2), "stop", Usage(3, 2), Timings(0.0, 0.1, 0.2, 10.0))
+
+
+def _req() -> GenerateRequest:
+    return GenerateRequest("r", messages=(ChatMessage("user", "hi"),),
+                           sampling=SamplingParams(stop=("x",)))
+
+
+def _tamper(msg, edit):
+    env = wire(msg)
+    edit(env)
+    return pack(env)
+
+
+def _set(path, value):
+    def edit(env):
+        node = env
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return edit
+
+
+def _drop(path):
+    def edit(env):
+        node = env
+        for key in path[:-1]:
+            node = node[key]
+        del node[path[-1]]
+    return edit
+
+
+BAD_WIRE = {
+    "unknown_kind": (_req, _set(["k"], "launch_missiles"), "unknown_kind"),
+    "kind_not_str": (_req, _set(["k"], 7), "malformed"),
+    "version_2": (_req, _set(["v"], 2), "version"),
+    "version_0": (_req, _set(["v"], 0), "version"),
+    "version_bool": (_req, _set(["v"], True), "version"),
+    "version_str": (_req, _set(["v"], "1"), "version"),
+    "envelope_extra": (_req, _set(["x"], 1), "malformed"),
+    "envelope_missing": (_req, _drop(["b"]), "malformed"),
+    "body_not_map": (_req, _set(["b"], [1, 2]), "malformed"),
+    "missing_field": (_req, _drop(["b", "prompt"]), "malformed"),
+    "extra_field": (_req, _set(["b", "priority"], 1), "malformed"),
+    "nested_missing": (_req, _drop(["b", "sampling", "seed"]), "malformed"),
+    "nested_extra": (_req, _set(["b", "sampling", "min_p"], 0.1), "malformed"),
+    "nested_not_map": (_req, _set(["b", "sampling"], 5), "malformed"),
+    "bool_for_int": (_req, _set(["b", "sampling", "max_tokens"], True), "malformed"),
+    "float_for_int": (_req, _set(["b", "sampling", "max_tokens"], 5.0), "malformed"),
+    "bool_for_float": (_req, _set(["b", "sampling", "top_p"], True), "malformed"),
+    "str_for_float": (_req, _set(["b", "sampling", "top_p"], "1"), "malformed"),
+    "nan_top_p": (_req, _set(["b", "sampling", "top_p"], math.nan), "malformed"),
+    "inf_temperature": (_req, _set(["b", "sampling", "temperature"], math.inf), "malformed"),
+    "big_int_top_p": (_req, _set(["b", "sampling", "top_p"], 2**64 - 1), "malformed"),
+    "bin_for_str": (_req, _set(["b", "request_id"], b"r"), "malformed"),
+    "role_invalid": (_req, _set(["b", "messages", 0, "role"], "root"), "malformed"),
+    "messages_map": (_req, _set(["b", "messages"], {"role": "user"}), "malformed"),
+    "messages_empty": (_req, _set(["b", "messages"], []), "malformed"),
+    "both_prompt": (_req, _set(["b", "prompt"], "x"), "malformed"),
+    "stop_item_int": (_req, _set(["b", "sampling", "stop"], [1]), "malformed"),
+    "stop_str": (_req, _set(["b", "sampling", "stop"], "x"), "malformed"),
+    "max_tokens_zero": (_req, _set(["b", "sampling", "max_tokens"], 0), "malformed"),
+    "event_error_pairing": (_event, _set(["b", "error"], "boom"), "malformed"),
+    "event_finish": (_event, _set(["b", "finish_reason"], "halt"), "malformed"),
+    "event_token_neg": (_event, _set(["b", "token_ids"], [-5]), "malformed"),
+    "event_usage_wrong": (_event, _set(["b", "usage"], [3, 2]), "malformed"),
+    "event_timing_nan": (_event, _set(["b", "timings", "ttft_s"], math.nan), "malformed"),
+    "event_timing_str": (_event, _set(["b", "timings", "ttft_s"], "0"), "malformed"),
+    "event_not_final_usage": (_event, _set(["b", "finish_reason"], None), "malformed"),
+}
+
+
+@pytest.mark.parametrize("make, edit, code", BAD_WIRE.values(), ids=BAD_WIRE.keys())
+def test_bad_wire_input_is_rejected(make, edit, code) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(_tamper(make(), edit))
+    assert info.value.code == code
+    assert "\n" not in str(info.value) and str(info.value)
+
+
+@pytest.mark.parametrize("data, code", [
+    (b"", "malformed"),
+    (b"\xc1", "malformed"),  # never-used msgpack byte
+    (pack([1, 2, 3]), "malformed"),  # envelope not a map
+    (pack("hello"), "malformed"),
+    (pack(None), "malformed"),
+    (pack({1: 2}), "malformed"),  # non-str map key
+    (b"\xd6\xff\x00\x00\x00\x00", "malformed"),  # msgpack timestamp extension
+    (b"\xc7\x00\x05", "malformed"),  # empty extension
+    (b"\xa2\xff\xfe", "malformed"),  # invalid UTF-8
+])
+def test_garbage_is_rejected(data: bytes, code: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(data)
+    assert info.value.code == code
+
+
+def test_trailing_garbage_is_rejected() -> None:
+    with pytest.raises(ProtocolError, match="trailing"):
+        decode(encode(_req()) + b"\x00")
+
+
+def test_non_bytes_input_is_rejected() -> None:
+    for bad in (None, "text", 5, [1]):
+        with pytest.raises(ProtocolError):
+            decode(bad)
+    assert decode(bytearray(encode(_req()))) == _req()
+    assert decode(memoryview(encode(_req()))) == _req()
+
+
+def test_oversize_input_is_rejected_before_unpacking() -> None:
+    big = b"\xc0" * (MAX_MESSAGE_BYTES + 1)
+    with pytest.raises(ProtocolError) as info:
+        decode(big)
+    assert info.value.code == "too_large"
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(_req()), max_bytes=10)
+    assert info.value.code == "too_large"
+
+
+def test_oversize_message_is_not_encoded() -> None:
+    with pytest.raises(ProtocolError) as info:
+        encode(GenerateRequest("r", prompt="x" * 1000), max_bytes=100)
+    assert info.value.code == "too_large"
+
+
+def test_encode_rejects_unregistered_objects() -> None:
+    @dataclass(frozen=True)
+    class Stray:
+        KIND: ClassVar[str] = "stray"
+        x: int
+
+    for bad in (Stray(1), {"v": 1}, None, "x"):
+        with pytest.raises(ProtocolError):
+            encode(bad)
+
+
+def test_encode_rejects_unencodable_strings() -> None:
+    with pytest.raises(ProtocolError):
+        encode(ChatMessage("user", "\ud800"))  # lone surrogate: no UTF-8 form
+
+
+def test_error_reply_from_exception() -> None:
+    e = ProtocolError("bad\nthing " + "x" * 5000, "version")
+    assert "\n" not in str(e) and len(str(e)) <= 300
+    reply = ErrorReply.from_exception(e, "r1")
+    assert reply.code == "version" and reply.request_id == "r1"
+    hidden = ErrorReply.from_exception(RuntimeError("/secret/path"), "")
+    assert hidden == ErrorReply(None, "internal", "internal error")
+    assert decode(encode(reply)) == reply
+    assert ProtocolError("x", "not-a-code").code == "malformed"
+
+
+# ---------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class _Inner:
+    KIND: ClassVar[str] = "test_inner"
+    x: float  # any float
+
+
+@register
+@dataclass(frozen=True)
+class _Probe:
+    KIND: ClassVar[str] = "test_probe"
+    blob: bytes  # raw bytes travel as msgpack bin
+    pair: tuple[int, str]  # fixed-length tuple
+    either: int | str  # first matching arm wins
+    mode: Literal["a", "b"]  # a closed set
+    maybe: _Inner | None  # nested message, optional
+    flag: bool = False  # a plain bool
+
+
+def test_generic_converter_handles_other_modules_types() -> None:
+    probe = _Probe(b"\x00\xff", (1, "a"), "s", "b", _Inner(2.5), True)
+    assert decode(encode(probe)) == probe
+    probe2 = _Probe(b"", (0, ""), 7, "a", None)
+    assert decode(encode(probe2)) == probe2
+    for field_, value in [("pair", [1]), ("pair", [1, 2]), ("either", 1.5), ("mode", "c"),
+                          ("mode", True), ("blob", "text"), ("maybe", {"x": "1"}),
+                          ("flag", 1)]:
+        env = wire(probe)
+        env["b"][field_] = value
+        with pytest.raises(ProtocolError):
+            decode(pack(env))
+
+
+def test_register_rejects_bad_classes() -> None:
+    @dataclass(frozen=True)
+    class Dup:
+        KIND: ClassVar[str] = "chat_message"
+        x: int
+
+    @dataclass
+    class Mutable:
+        KIND: ClassVar[str] = "test_mutable"
+        x: int
+
+    @dataclass(frozen=True)
+    class NoKind:
+        x: int
+
+    @dataclass(frozen=True)
+    class DictField:
+        KIND: ClassVar[str] = "test_dict_field"
+        x: dict
+
+    for cls in (Dup, Mutable, NoKind, DictField, int):
+        with pytest.raises(TypeError):
+            register(cls)
+    assert "test_dict_field" not in registered()
+    assert register(ChatMessage) is ChatMessage  # idempotent

@@ -1,0 +1,205 @@
+"""The OpenAI-compatible API end to end: the official `openai` client against a
+live server (ApiServer on a free port) over the real LocalEngine running the
+`demo` model on OpenVINO in f32 (greedy answers are then reproducible)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine.models.demo import ensure_demo
+from engine.serve.api import ApiServer, create_app
+from engine.serve.local import LocalEngine
+
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Tell me about the little town by the river."}]
+PROMPT = "Once upon a time there was a"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = LocalEngine.from_spec("demo", precision="f32")
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = ApiServer(create_app(engine)).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="anything", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ensure_demo("demo"))
+
+
+def _chat_len(tokenizer, messages) -> int:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)
+    return len(out["input_ids"])
+
+
+def test_models_list(client, engine):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["demo"]
+    assert models[0].owned_by == "flotilla" and models[0].context_length == engine.info.context_length
+    assert client.models.retrieve("demo").id == "demo"
+
+
+def test_chat_non_streaming_text_and_usage(client, tokenizer):
+    out = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=8, temperature=0)
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion" and out.model == "demo"
+    choice = out.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == _chat_len(tokenizer, CHAT)
+    assert out.usage.completion_tokens == 8
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8
+
+
+def test_chat_streaming_matches_non_streaming(client, tokenizer):
+    kw = dict(model="demo", messages=CHAT, max_completion_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    content = [c for c in chunks if c.choices]
+    assert [c.choices[0].finish_reason for c in content][:-1] == [None] * (len(content) - 1)
+    assert content[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in content)
+    assert text == whole.choices[0].message.content
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.prompt_tokens == _chat_len(tokenizer, CHAT)
+    assert usage_chunk.usage.completion_tokens == 12
+    assert usage_chunk.usage.total_tokens == usage_chunk.usage.prompt_tokens + 12
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(client):
+    chunks = list(client.chat.completions.create(model="demo", messages=CHAT, max_tokens=3,
+                                                 temperature=0, stream=True))
+    assert all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
+
+
+def test_completions_non_streaming_and_streaming(client, tokenizer):
+    kw = dict(model="demo", prompt=PROMPT, max_tokens=10, temperature=0)
+    whole = client.completions.create(**kw)
+    assert whole.id.startswith("cmpl-") and whole.object == "text_completion"
+    assert whole.choices[0].text and whole.choices[0].finish_reason == "length"
+    prompt_len = len(tokenizer(PROMPT, add_special_tokens=True)["input_ids"])
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_len, 10)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    content = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in content) == whole.choices[0].text
+    assert content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == prompt_len
+
+
+def test_concurrent_requests_equal_alone(server, client, tokenizer):
+    convs = [[{"role": "user", "content": f"Question number {i}: what did the {w} see?"}]
+             for i, w in enumerate(["fox", "king", "child", "sailor"])]
+    alone = [client.chat.completions.create(model="demo", messages=m, max_tokens=16, temperature=0)
+             for m in convs]
+
+    async def together():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                                      timeout=60) as aclient:
+            calls = [aclient.chat.completions.create(model="demo", messages=m, max_tokens=16,
+                                                     temperature=0) for m in convs]
+            return await asyncio.gather(*calls)
+
+    for m, one, many in zip(convs, alone, asyncio.run(together())):
+        assert many.choices[0].message.content == one.choices[0].message.content
+        assert many.usage.prompt_tokens == one.usage.prompt_tokens == _chat_len(tokenizer, m)
+        assert many.usage.completion_tokens == one.usage.completion_tokens == 16
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"model": "demo", "messages": [',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert exc.value.status_code == 404 and exc.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("kw,param", [({"temperature": 5}, "temperature"),
+                                      ({"temperature": -0.5}, "temperature"), ({"n": 2}, "n")])
+def test_invalid_values_are_400(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="demo", messages=CHAT, max_tokens=4, **kw)
+    assert exc.value.param == param
+
+
+def test_api_key(engine):
+    with ApiServer(create_app(engine, api_key="sekrit")) as srv:
+        base = f"{srv.url}/v1"
+        r = httpx.get(f"{base}/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(f"{base}/chat/completions", content=b"{oops")  # auth is checked first
+        assert r.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=base, api_key="sekrit", max_retries=0)
+        assert [m.id for m in good.models.list().data] == ["demo"]
+        out = good.chat.completions.with_raw_response.create(model="demo", messages=CHAT, max_tokens=2)
+        assert out.http_response.status_code == 200
+        assert httpx.get(f"{srv.url}/openapi.json").status_code == 200  # docs stay open
+
+
+def test_openapi_lists_endpoints(server):
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    assert spec["info"]["title"] == "Flotilla OpenAI-compatible API"
+    assert {"/v1/models", "/v1/chat/completions", "/v1/completions"} <= set(spec["paths"])
+    assert "post" in spec["paths"]["/v1/chat/completions"]
+    assert "ChatCompletionRequest" in spec["components"]["schemas"]
+
+
+def test_stream_disconnect_cancels_the_engine_request(server, engine, monkeypatch):
+    cancelled: list[str] = []
+    done = threading.Event()
+    real_cancel = engine.cancel
+
+    def spy(request_id: str) -> None:
+        cancelled.append(request_id)
+        real_cancel(request_id)
+        done.set()
+
+    monkeypatch.setattr(engine, "cancel", spy)
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as r:
+        data = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
+        rid = json.loads(next(data))["id"]
+        for _ in range(3):
+            next(data)
+    assert done.wait(10) and cancelled == [rid]
+    t0 = time.monotonic()  # the engine is free again: a short request answers at once
+    with httpx.Client(timeout=30) as c:
+        r = c.post(f"{server.url}/v1/completions", json={"model": "demo", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200 and time.monotonic() - t0 < 10
