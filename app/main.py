@@ -7,6 +7,7 @@ through the "flotilla.gui" entry point (engine never imports app).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from PySide6.QtCore import QTimer
@@ -39,9 +40,24 @@ def _qt_binding_is_broken() -> bool:
     return sys.getrefcount(None) < before - 16
 
 
+def _display_available(qt_args: list[str]) -> bool:
+    """On Linux/BSD, Qt aborts the process with a long message when no display
+    is reachable; say it in one line instead. Windows and macOS always have one."""
+    if not sys.platform.startswith(("linux", "freebsd")):
+        return True
+    if "-platform" in qt_args or os.environ.get("QT_QPA_PLATFORM"):
+        return True  # the user chose a platform plugin (offscreen, vnc, ...)
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
 def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, qt_args = _parse(argv)
+    if not _display_available(qt_args):
+        print("flotilla: error: no display found (DISPLAY and WAYLAND_DISPLAY are unset); "
+              "start the app from a desktop session, or use `flotilla chat` / `flotilla serve` "
+              "in a terminal", file=sys.stderr)
+        return 1
     app = QApplication.instance() or QApplication([sys.argv[0], *qt_args])
     app.setApplicationName("Flotilla")
     app.setApplicationDisplayName("Flotilla")

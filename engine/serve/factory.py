@@ -37,7 +37,14 @@ ENGINE_KINDS: dict[str, tuple[Callable[[str, EngineOptions, Progress | None], En
     "local": (_open_local, "the whole model on this PC (OpenVINO)"),
     "moe": (lambda spec, options, progress: __import__("engine.moe.engine", fromlist=["x"]).open_moe_engine(spec, options, progress), "MoE model, experts on disk (Bevy scheduler)"),  # noqa: E501
     "sparse": (lambda spec, options, progress: __import__("engine.sparse.engine", fromlist=["x"]).open_sparse(spec, options, progress), "sparse FFN: neurons streamed from storage into a RAM cache (NeuroPrefetcher)"),  # noqa: E501
+    "pipeline": (lambda spec, options, progress: _open_pipeline(spec, options, progress), "layers split over local stage processes (pipeline shards; extra: stages, split, threads)"),  # noqa: E501
 }
+
+
+def _open_pipeline(spec: str, options: EngineOptions, progress: Progress | None) -> Engine:
+    from engine.pipeline.runner import open_pipeline_engine
+
+    return open_pipeline_engine(spec, options, progress)
 
 
 def open_engine(spec: str, kind: str = "local", options: EngineOptions | None = None,

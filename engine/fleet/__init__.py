@@ -1,0 +1,15 @@
+"""The fleet: agents that lend an idle PC to a controller, and how they are found.
+
+  mdns.py       advertise/browse `_flotilla._tcp.local.` (async core + sync wrapper)
+  discovery.py  the small Discovery interface, Peer, ManualPeers (host:port list)
+  security.py   CurveZMQ keys, pairing codes, allow-list, ZAP authenticator
+  identity.py   stable node id, repaired when an install is cloned
+  idle.py       how long the local user has been away, per platform
+  policy.py     when the owner lets the PC be used (idle minutes, AC, RAM, devices)
+  shards.py     shard store: resumable, hash-verified chunked receive
+  workers.py    shard worker child processes
+  agent.py      the agent: info/pairing/control sockets, policy enforcement
+  client.py     the controller's side of the control plane
+
+docs/fleet.md explains discovery, pairing, the threat model and the ports.
+"""

@@ -1,0 +1,381 @@
+"""The agent: lends this PC to paired controllers while its owner is away.
+
+Three sockets (ports base, base+1, base+2; docs/fleet.md):
+  control  ROUTER, CURVE server, ZAP = allow-list. Status, Prepare/Chunk, Load,
+           Unload, Stop. Also pushes AgentEvent to controllers it heard from.
+  pairing  ROUTER, CURVE server, ZAP = any key. PairRequest only.
+  info     ROUTER, plaintext. InfoRequest only: what the TXT record says.
+
+One task per socket handles its messages in order (no two Loads race); a
+housekeeping task polls the machine every POLL_S, enforces the sharing policy
+(yields within 2 s when the user returns) and re-announces over mDNS when the
+idle state flips or free RAM moves by more than a threshold.
+
+Nothing a peer sends can end the agent: every message is decoded strictly,
+anything wrong gets an ErrorReply, and an unexpected exception in a handler is
+logged and answered with "internal".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import logging.handlers
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from engine import __version__
+from engine.fleet import sysinfo
+from engine.fleet.discovery import DEFAULT_BASE_PORT, INFO_OFFSET, PAIR_OFFSET
+from engine.fleet.idle import IdleSource, default_idle_source
+from engine.fleet.identity import NodeIdentity
+from engine.fleet.mdns import DEFAULT_TTL_S, MdnsAdvertiser, open_zeroconf
+from engine.fleet.paths import config_dir, data_dir, ensure_private_dir
+from engine.fleet.policy import MachineProbe, MachineState, SharingPolicy, check_start, evaluate
+from engine.fleet.security import (CONTROL_DOMAIN, PAIR_DOMAIN, FleetAuthenticator, PairingBook,
+                                   curve_server)
+from engine.fleet.shards import ShardStore
+from engine.fleet.workers import Worker, WorkerSupervisor, pipeline_worker_command
+from engine.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
+from engine.protocol.control import (AgentEvent, AgentInfo, ChunkReply, ChunkRequest, InfoReply,
+                                     InfoRequest, LoadReply, LoadRequest, PairReply, PairRequest,
+                                     PrepareReply, PrepareRequest, StatusReply, StatusRequest,
+                                     StopReply, StopRequest, UnloadReply, UnloadRequest)
+from engine.protocol.errors import ProtocolError
+from engine.protocol.messages import ErrorReply
+from engine.protocol.version import PROTOCOL_VERSION
+
+log = logging.getLogger("flotilla.agent")
+POLL_S = 0.5  # machine poll; with the 0.8 s stop grace a yield takes < 2 s
+RAM_STEP = 256 * 1024 * 1024  # re-announce when free RAM moves by more than this
+MIN_ANNOUNCE_S = 2.0  # ...but not more often than this (idle flips go out at once)
+CONTROLLER_TTL_S = 3600.0  # push events to controllers heard from within this
+MAX_CONTROLLERS = 64
+REPLAY_WINDOW = 1024  # request ids remembered per controller key
+
+
+@dataclass
+class AgentConfig:
+    config: Path = field(default_factory=config_dir)  # keys, node id, allow-list, policy
+    data: Path = field(default_factory=data_dir)  # shards, logs
+    bind: str = "*"  # address the three sockets bind ("*" = all)
+    port: int = DEFAULT_BASE_PORT  # control port; pairing = +1, info = +2 (0 = any free ports)
+    mdns: bool = True  # advertise over mDNS
+    interfaces: Sequence[str] | None = None  # mDNS interfaces (names or IPv4); None = all
+    mdns_ttl: int = DEFAULT_TTL_S  # TTL of our records; a dead agent vanishes after about this
+    worker_command: Sequence[str] = field(default_factory=pipeline_worker_command)
+    idle: IdleSource | None = None  # None = the platform's sources
+    poll_s: float = POLL_S  # machine poll interval
+
+
+def setup_logging(data: Path, verbose: bool = False) -> Path:
+    """Rotating log in <data>/logs/agent.log (1 MB x 3), plus stderr."""
+    logs = ensure_private_dir(data / "logs")
+    path = logs / "agent.log"
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=1_000_000, backupCount=3)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    stderr = logging.StreamHandler()
+    stderr.setFormatter(logging.Formatter("flotilla agent: %(message)s"))
+    stderr.setLevel(logging.INFO if verbose else logging.WARNING)
+    root.addHandler(stderr)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logging.getLogger("zeroconf").setLevel(logging.WARNING)
+    return path
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.identity = NodeIdentity.load(cfg.config)
+        self.keys = self.identity.keys
+        self.book = PairingBook(cfg.config)
+        self.store = ShardStore(cfg.data / "shards")
+        self.supervisor = WorkerSupervisor(cfg.worker_command, ensure_private_dir(cfg.data / "logs"),
+                                           on_exit=self._worker_exited)
+        self.probe = MachineProbe(cfg.idle or default_idle_source())
+        self.policy = SharingPolicy.load(cfg.config)
+        self._policy_stamp = self._stamp()
+        self.state: MachineState = self.probe.read()
+        self.ports = (0, 0, 0)
+        self.stopped = asyncio.Event()
+        self.counters = collections.Counter()  # handled / errors per socket, for tests and status
+        self._controllers: dict[bytes, float] = {}  # control-socket routing id -> last heard
+        self._seen: dict[str, collections.deque] = {}  # controller key -> recent request ids
+        self._announced: AgentInfo | None = None
+        self._announced_at = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self._advertiser: MdnsAdvertiser | None = None
+        self._azc = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def async_start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.auth = FleetAuthenticator(zmq.Context.shadow(self.ctx.underlying), self.book.allowed)
+        self.auth.start()
+        base = self.cfg.port
+        self.control = self._socket(CONTROL_DOMAIN, base)
+        self.pairing = self._socket(PAIR_DOMAIN, base + PAIR_OFFSET if base else 0)
+        self.info = self._socket(None, base + INFO_OFFSET if base else 0)
+        self.ports = tuple(int(s.last_endpoint.decode().rsplit(":", 1)[1])
+                           for s in (self.control, self.pairing, self.info))
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._serve(self.control, self._on_control, "control")),
+                       loop.create_task(self._serve(self.pairing, self._on_pair, "pairing")),
+                       loop.create_task(self._serve(self.info, self._on_info, "info"))]
+        await asyncio.to_thread(sysinfo.openvino_devices)  # slow once; not on the loop
+        if self.cfg.mdns:
+            self._azc, addresses = open_zeroconf(self.cfg.interfaces)
+            self._advertiser = MdnsAdvertiser(self._azc, addresses, self.cfg.mdns_ttl)
+            log.info("announcing %s on mDNS (%s)", self.identity.node_id, ", ".join(addresses))
+        await self._announce(force=True)
+        self._tasks.append(loop.create_task(self._housekeeping()))
+        log.info("agent %s up: control %d, pairing %d, info %d, key %s", self.identity.node_id,
+                 *self.ports, self.keys.fingerprint)
+
+    def _socket(self, domain: str | None, port: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.maxmsgsize = MAX_MESSAGE_BYTES + 4096  # bigger: libzmq drops the connection
+        sock.sndhwm = sock.rcvhwm = 1000
+        if domain is not None:
+            curve_server(sock, self.keys, domain)
+        sock.bind(f"tcp://{self.cfg.bind}:{port or '*'}")
+        return sock
+
+    async def async_close(self) -> None:
+        await self.supervisor.stop_all()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._advertiser is not None:
+            try:
+                await self._advertiser.async_unregister()
+            finally:
+                await self._azc.async_close()
+        for s in (self.control, self.pairing, self.info):
+            s.close(0)
+        self.auth.stop()
+        self.ctx.term()
+        log.info("agent stopped")
+
+    async def async_run(self) -> None:
+        await self.async_start()
+        try:
+            await self.stopped.wait()
+        finally:
+            await self.async_close()
+
+    # ------------------------------------------------------------ serving
+
+    async def _serve(self, sock: zmq.asyncio.Socket, handler: Callable, name: str) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            ident = frames[0].bytes
+            rid = None
+            try:
+                if len(frames) != 2:  # a DEALER sends exactly one frame per request
+                    raise ProtocolError(f"expected one message frame, got {len(frames) - 1}")
+                user = frames[1].get("User-Id") if name != "info" else None
+                msg = decode(frames[1].bytes)
+                rid = getattr(msg, "request_id", None)
+                reply = await handler(msg, user, ident)
+                self.counters[f"{name}_ok"] += 1
+            except ProtocolError as e:
+                reply = ErrorReply.from_exception(e, rid)
+                self.counters[f"{name}_refused"] += 1
+            except Exception as e:  # a bug here must not take the agent down
+                log.exception("%s handler failed", name)
+                reply = ErrorReply.from_exception(e, rid)
+                self.counters[f"{name}_internal"] += 1
+            try:
+                await sock.send_multipart([ident, encode(reply)])
+            except zmq.ZMQError as e:  # the peer went away; ROUTER would drop it anyway
+                log.debug("reply to a gone peer dropped: %s", e)
+
+    async def _on_info(self, msg: Any, user: str | None, ident: bytes) -> Any:
+        if not isinstance(msg, InfoRequest):
+            raise ProtocolError("the info port answers InfoRequest only", "unknown_kind")
+        return InfoReply(msg.request_id, self.announced_info())
+
+    async def _on_pair(self, msg: Any, user: str | None, ident: bytes) -> Any:
+        if not isinstance(msg, PairRequest):
+            # Unpaired keys reach this socket; give them nothing else.
+            raise ProtocolError("not paired: only PairRequest is accepted on the pairing port",
+                                "not_paired")
+        state, code = self.book.request(user or "", msg.controller_name, self.keys.public)
+        return PairReply(msg.request_id, state, code, sysinfo.hostname())
+
+    async def _on_control(self, msg: Any, user: str | None, ident: bytes) -> Any:
+        # ZAP admitted this key at handshake; check again per message so a
+        # revocation takes effect on open connections too.
+        if not user or user not in self.book.allowed:
+            raise ProtocolError("not paired (or pairing revoked)", "not_paired")
+        seen = self._seen.setdefault(user, collections.deque(maxlen=REPLAY_WINDOW))
+        rid = getattr(msg, "request_id", None)
+        if rid is not None:
+            if rid in seen:
+                raise ProtocolError("request_id already used: replay refused")
+            seen.append(rid)
+        self._controllers[ident] = time.time()
+        if len(self._controllers) > MAX_CONTROLLERS:
+            del self._controllers[min(self._controllers, key=self._controllers.get)]
+        handler = self._control_handlers().get(type(msg))
+        if handler is None:
+            raise ProtocolError(f"{type(msg).__name__} is not a control request", "unknown_kind")
+        return await handler(msg)
+
+    def _control_handlers(self) -> dict[type, Callable]:
+        return {StatusRequest: self._status, PrepareRequest: self._prepare, ChunkRequest: self._chunk,
+                LoadRequest: self._load, UnloadRequest: self._unload, StopRequest: self._stop}
+
+    async def _status(self, msg: StatusRequest) -> StatusReply:
+        decision = evaluate(self.policy, self.state)
+        shards = {s.sha256: s for s in self.store.list()}
+        for w in self.supervisor.workers.values():
+            shards[w.sha256] = w.info()
+        return StatusReply(msg.request_id, self.agent_info(), decision.share, decision.reason,
+                           tuple(shards.values())[:1024])
+
+    async def _prepare(self, msg: PrepareRequest) -> PrepareReply:
+        cached, have = await self.store.prepare(msg.shard_id, msg.sha256, msg.size)
+        return PrepareReply(msg.request_id, msg.sha256, cached, have)
+
+    async def _chunk(self, msg: ChunkRequest) -> ChunkReply:
+        have, complete = await self.store.write_chunk(msg.sha256, msg.offset, msg.data, msg.chunk_sha256)
+        if complete:
+            log.info("shard %s received and verified", msg.sha256[:16])
+        return ChunkReply(msg.request_id, msg.sha256, have, complete)
+
+    async def _load(self, msg: LoadRequest) -> LoadReply:
+        path = self.store.cached_path(msg.sha256)
+        meta = self.store.meta(msg.sha256)
+        if path is None or meta is None:
+            raise ProtocolError("shard not cached here: prepare and send it first", "not_found")
+        self.state = await asyncio.to_thread(self.probe.read)
+        used = sum(w.size for w in self.supervisor.running() if w.sha256 != msg.sha256)
+        decision = check_start(self.policy, self.state, msg.device, meta["size"], used)
+        if not decision.share:
+            raise ProtocolError(f"not sharing now: {decision.reason}", "overloaded")
+        worker = await self.supervisor.start(str(meta.get("shard_id", msg.sha256)), msg.sha256,
+                                             meta["size"], path, msg.device, msg.data_port)
+        return LoadReply(msg.request_id, worker.info())
+
+    async def _unload(self, msg: UnloadRequest) -> UnloadReply:
+        worker = await self.supervisor.stop(msg.sha256)
+        if worker is None:
+            raise ProtocolError("no worker for that shard", "not_found")
+        return UnloadReply(msg.request_id, worker.info())
+
+    async def _stop(self, msg: StopRequest) -> StopReply:
+        stopped = await self.supervisor.stop_all()
+        if msg.shutdown:
+            # Reply first: set the event on the next loop turn, after the send.
+            asyncio.get_running_loop().call_later(0.2, self.stopped.set)
+        return StopReply(msg.request_id, len(stopped))
+
+    # ------------------------------------------------------------ housekeeping
+
+    def agent_info(self, state: MachineState | None = None) -> AgentInfo:
+        s = state or self.state
+        idle = s.idle_s is not None and s.idle_s >= self.policy.idle_minutes * 60
+        return AgentInfo(
+            node_id=self.identity.node_id, hostname=sysinfo.hostname(), os=sysinfo.os_name(),
+            version=__version__, protocol=PROTOCOL_VERSION, devices=sysinfo.openvino_devices(),
+            ram_total=s.ram_total, ram_available=s.ram_available, idle=idle,
+            idle_since=None if s.idle_since is None else max(0.0, s.idle_since), on_ac=s.on_ac,
+            control_port=self.ports[0], pair_port=self.ports[1], info_port=self.ports[2],
+            public_key=self.keys.public, fingerprint=self.keys.fingerprint)
+
+    def _stamp(self) -> float | None:
+        try:
+            return (self.cfg.config / "sharing_policy.json").stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    async def _housekeeping(self) -> None:
+        while True:
+            try:
+                await self._tick()
+            except Exception:
+                log.exception("housekeeping failed")  # try again next beat
+            await asyncio.sleep(self.cfg.poll_s)
+
+    async def _tick(self) -> None:
+        stamp = self._stamp()
+        if stamp != self._policy_stamp:
+            self._policy_stamp, self.policy = stamp, SharingPolicy.load(self.cfg.config)
+            log.info("sharing policy reloaded: %s", self.policy)
+        self.state = await asyncio.to_thread(self.probe.read)
+        decision = evaluate(self.policy, self.state)
+        if not decision.share and self.policy.yield_on_return and self.supervisor.running():
+            t0 = time.monotonic()
+            stopped = await self.supervisor.stop_all()
+            log.warning("yielded to the local user (%s): stopped %d worker(s) in %.2f s",
+                        decision.reason, len(stopped), time.monotonic() - t0)
+            await self._push(AgentEvent(self.identity.node_id, "yield", decision.reason,
+                                        tuple(w.sha256 for w in stopped), time.time()))
+        await self._announce()
+
+    async def _announce(self, force: bool = False) -> None:
+        """Refresh the announced AgentInfo (mDNS TXT and the info port) when
+        something people act on moved: idle state or power at once, free RAM
+        by more than RAM_STEP at most every MIN_ANNOUNCE_S. Small RAM jitter
+        would otherwise flood the LAN and every controller's peer list."""
+        info, old = self.agent_info(), self._announced
+        now = time.monotonic()
+        flipped = old is None or info.idle != old.idle or info.on_ac != old.on_ac
+        moved = old is not None and abs(info.ram_available - old.ram_available) > RAM_STEP \
+            and now - self._announced_at >= MIN_ANNOUNCE_S
+        if not (force or flipped or moved):
+            return
+        self._announced, self._announced_at = info, now
+        if self._advertiser is not None:
+            await self._advertiser.async_update(info)
+
+    def announced_info(self) -> AgentInfo:
+        return self._announced or self.agent_info()
+
+    async def _push(self, event: AgentEvent) -> None:
+        horizon = time.time() - CONTROLLER_TTL_S
+        data = encode(event)
+        for ident, seen in list(self._controllers.items()):
+            if seen < horizon:
+                del self._controllers[ident]
+                continue
+            try:
+                await self.control.send_multipart([ident, data], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _worker_exited(self, worker: Worker) -> None:
+        event = AgentEvent(self.identity.node_id, "worker_exit", f"exit code {worker.exit_code}",
+                           (worker.sha256,), time.time())
+        asyncio.get_running_loop().create_task(self._push(event))
+
+
+def run_agent(cfg: AgentConfig) -> int:
+    """Run until SIGINT/SIGTERM or a StopRequest(shutdown=True)."""
+    import signal
+
+    async def main() -> None:
+        agent = Agent(cfg)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, agent.stopped.set)
+            except (NotImplementedError, RuntimeError):  # Windows
+                pass
+        await agent.async_run()
+
+    asyncio.run(main())
+    return 0

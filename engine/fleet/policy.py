@@ -1,0 +1,139 @@
+"""When the owner lets this PC be used, and the agent's read of the machine.
+
+The policy is a small persisted dataclass (sharing_policy.json in the config
+dir, edited by the tray or by hand; the agent reloads it when it changes).
+evaluate() is a pure function of (policy, machine state) -> Decision, so every
+rule is tested without a machine in the state it describes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from engine.fleet import sysinfo
+from engine.fleet.idle import IdleSource
+from engine.fleet.paths import read_json, write_json
+
+POLICY_FILE = "sharing_policy.json"
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class SharingPolicy:
+    enabled: bool = True  # the owner's master switch
+    idle_minutes: float = 5.0  # share only after this long without user input
+    require_ac: bool = True  # never share on battery
+    max_ram_gb: float = 8.0  # shards on this PC together may use at most this much
+    devices: tuple[str, ...] = ("CPU", "GPU", "NPU")  # device families a worker may use
+    yield_on_return: bool = True  # stop workers within 2 s when the user comes back
+    max_cpu_percent_to_start: float = 90.0  # do not start work on a PC this busy
+
+    def __post_init__(self) -> None:
+        if not (self.idle_minutes >= 0 and self.max_ram_gb >= 0 and 0 < self.max_cpu_percent_to_start <= 100):
+            raise ValueError("idle_minutes and max_ram_gb must be >= 0, max_cpu_percent_to_start in (0, 100]")
+        object.__setattr__(self, "devices", tuple(str(d).upper() for d in self.devices))
+
+    def allows_device(self, device: str) -> bool:
+        """"GPU.1" is allowed by "GPU"; "AUTO" only if every family is allowed."""
+        family = device.split(".")[0].upper()
+        if family in ("AUTO", "HETERO", "MULTI"):
+            return {"CPU", "GPU", "NPU"} <= set(self.devices)
+        return family in self.devices or device.upper() in self.devices
+
+    @classmethod
+    def load(cls, config: Path) -> SharingPolicy:
+        raw = read_json(config / POLICY_FILE, {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            kwargs = {k: (tuple(v) if k == "devices" else v) for k, v in raw.items() if k in names}
+            return cls(**kwargs)
+        except (TypeError, ValueError, AttributeError):
+            return cls()  # a broken file: safe defaults, not a dead agent
+
+    def save(self, config: Path) -> None:
+        write_json(config / POLICY_FILE, dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
+class MachineState:
+    idle_s: float | None  # seconds since last user input; None = unknown
+    on_ac: bool | None  # mains power; None = unknown
+    ram_total: int  # bytes
+    ram_available: int  # bytes
+    cpu_percent: float  # whole-machine load, 0..100
+    time: float  # unix time of the reading
+
+    @property
+    def idle_since(self) -> float | None:
+        return None if self.idle_s is None else self.time - self.idle_s
+
+
+@dataclass(frozen=True)
+class Decision:
+    share: bool  # new work may start and running work may stay
+    reason: str  # why not ("" when share)
+
+
+def evaluate(policy: SharingPolicy, state: MachineState) -> Decision:
+    """May this PC work for the fleet right now? Unknown idle time counts as
+    "user present" (we cannot promise to yield to someone we cannot see);
+    unknown power counts as AC (desktops often report nothing)."""
+    if not policy.enabled:
+        return Decision(False, "sharing is switched off")
+    if state.idle_s is None:
+        return Decision(False, "idle time unknown")
+    if state.idle_s < policy.idle_minutes * 60:
+        return Decision(False, "user active")
+    if policy.require_ac and state.on_ac is False:
+        return Decision(False, "on battery")
+    return Decision(True, "")
+
+
+def check_start(policy: SharingPolicy, state: MachineState, device: str, shard_bytes: int,
+                used_bytes: int) -> Decision:
+    """May a worker for a shard of shard_bytes start on device, with used_bytes
+    already taken by running workers?"""
+    base = evaluate(policy, state)
+    if not base.share:
+        return base
+    if not policy.allows_device(device):
+        return Decision(False, f"device {device} is not shared (policy: {', '.join(policy.devices)})")
+    if used_bytes + shard_bytes > policy.max_ram_gb * GB:
+        return Decision(False, f"over the RAM limit of {policy.max_ram_gb:g} GB")
+    if shard_bytes > state.ram_available:
+        return Decision(False, "not enough free RAM")
+    if state.cpu_percent > policy.max_cpu_percent_to_start:
+        return Decision(False, f"CPU busy ({state.cpu_percent:.0f}%)")
+    return Decision(True, "")
+
+
+class MachineProbe:
+    """Reads MachineState; psutil.cpu_percent(None) compares with the previous
+    call, so one probe object is polled on a steady beat."""
+
+    MIN_CPU_WINDOW_S = 0.4  # a shorter window gives noise (0% or 100%), so reuse the last figure
+
+    def __init__(self, idle: IdleSource) -> None:
+        self.idle = idle
+        psutil.cpu_percent(None)
+        self._cpu, self._cpu_at = 0.0, time.monotonic()
+
+    def _cpu_percent(self) -> float:
+        now = time.monotonic()
+        if now - self._cpu_at >= self.MIN_CPU_WINDOW_S:
+            self._cpu, self._cpu_at = float(psutil.cpu_percent(None)), now
+        return self._cpu
+
+    def read(self) -> MachineState:
+        total, avail = sysinfo.ram()
+        try:
+            idle = self.idle.idle_seconds()
+        except Exception:
+            idle = None
+        return MachineState(idle, sysinfo.on_ac(), total, avail, self._cpu_percent(),
+                            time.time())

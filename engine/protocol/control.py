@@ -1,0 +1,431 @@
+"""Messages of the fleet control plane: controller <-> agent.
+
+Three sockets carry them (docs/fleet.md has the picture):
+  info    (plaintext)   InfoRequest -> InfoReply: what mDNS TXT says, for
+                        networks where multicast is blocked. Nothing secret.
+  pairing (CURVE, any key)   PairRequest -> PairReply, and nothing else.
+  control (CURVE, allow-listed keys)   Status, Prepare/Chunk, Load, Unload, Stop;
+                        the agent may also push AgentEvent (yield, worker exit).
+
+Every request carries a request_id chosen by the controller; the reply echoes
+it, so one DEALER can have several requests in flight. The agent also refuses a
+request_id it has just seen from the same key (an application-level replay
+guard on top of CURVE's per-connection nonces).
+
+Importing this module registers the messages with the codec.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Literal, get_args
+
+from engine.protocol._checks import is_int, is_num, is_text, require, set_float
+from engine.protocol.codec import register
+
+MAX_ID_CHARS = 128  # request ids, shard ids
+MAX_NAME_CHARS = 255  # host names, device names, controller names
+MAX_DETAIL_CHARS = 1_000  # one-line human reasons
+MAX_DEVICES = 32
+MAX_SHARDS = 1_024  # shards one agent reports
+MAX_CHUNK_BYTES = 8 * 1024 * 1024  # one shard chunk; well under the codec's 16 MiB
+MAX_SHARD_BYTES = 2**42  # 4 TiB: no shard is bigger, and the sum fits an int64
+MAX_COUNT = 2**63 - 1
+MAX_PORT = 65_535
+
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_NODE_ID = re.compile(r"[0-9a-f]{32}\Z")
+_Z85 = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
+_CODE = re.compile(r"[0-9]{6}\Z")
+
+ShardState = Literal["cached", "partial", "starting", "running", "exited"]
+PairState = Literal["pending", "accepted", "rejected"]
+EventKind = Literal["yield", "worker_exit"]
+
+
+def _rid(v: object) -> bool:
+    return is_text(v, MAX_ID_CHARS, allow_empty=False)
+
+
+def is_sha256(v: object) -> bool:
+    """64 lower-case hex digits."""
+    return isinstance(v, str) and _HEX64.match(v) is not None
+
+
+def is_node_id(v: object) -> bool:
+    """32 lower-case hex digits (a uuid4 without dashes)."""
+    return isinstance(v, str) and _NODE_ID.match(v) is not None
+
+
+def is_z85_key(v: object) -> bool:
+    """A CurveZMQ public key in Z85 text: 40 characters of the Z85 alphabet."""
+    return isinstance(v, str) and _Z85.match(v) is not None
+
+
+def _port(v: object, allow_zero: bool = False) -> bool:
+    return is_int(v) and (0 if allow_zero else 1) <= v <= MAX_PORT
+
+
+def _size(v: object) -> bool:
+    return is_int(v) and 0 <= v <= MAX_SHARD_BYTES
+
+
+def _opt_time(v: object) -> bool:
+    return v is None or (is_num(v) and 0.0 <= v <= 1e11)
+
+
+# ---------------------------------------------------------------- shared parts
+
+
+@register
+@dataclass(frozen=True)
+class DeviceInfo:
+    KIND: ClassVar[str] = "device_info"
+    name: str  # OpenVINO device name: "CPU", "GPU.0", "NPU"
+    full_name: str  # FULL_DEVICE_NAME, e.g. "Intel(R) Arc(TM) Graphics"; may be ""
+
+    def __post_init__(self) -> None:
+        require(is_text(self.name, 64, allow_empty=False), "device name must be 1..64 characters")
+        require(is_text(self.full_name, MAX_NAME_CHARS), "device full_name is too long")
+
+
+@register
+@dataclass(frozen=True)
+class AgentInfo:
+    """What an agent announces: mDNS TXT, InfoReply and StatusReply all carry it."""
+
+    KIND: ClassVar[str] = "agent_info"
+    node_id: str  # stable per install (32 hex); regenerated if the install was cloned
+    hostname: str  # for people; never used to address the node
+    os: str  # e.g. "Linux 6.8", "Windows 11"
+    version: str  # flotilla version of the agent
+    protocol: int  # PROTOCOL_VERSION of the agent
+    devices: tuple[DeviceInfo, ...]  # OpenVINO devices the agent has (not only shared ones)
+    ram_total: int  # bytes
+    ram_available: int  # bytes, as of the last announcement (thresholded)
+    idle: bool  # the local user has been away long enough for the sharing policy
+    idle_since: float | None  # unix time the user was last active, None if unknown
+    on_ac: bool | None  # mains power; None if unknown
+    control_port: int  # CURVE, paired controllers only
+    pair_port: int  # CURVE, any key, PairRequest only
+    info_port: int  # plaintext, InfoRequest only
+    public_key: str  # the agent's CurveZMQ public key, Z85 (the server key controllers use)
+    fingerprint: str  # first 16 hex of sha256(public key); what people compare at a glance
+
+    def __post_init__(self) -> None:
+        require(is_node_id(self.node_id), "node_id must be 32 lower-case hex digits")
+        for name in ("hostname", "os", "version"):
+            require(is_text(getattr(self, name), MAX_NAME_CHARS), f"{name} is too long")
+        require(is_int(self.protocol) and 0 <= self.protocol <= 65_535, "bad protocol")
+        require(isinstance(self.devices, tuple) and len(self.devices) <= MAX_DEVICES
+                and all(isinstance(d, DeviceInfo) for d in self.devices), "bad devices")
+        require(_size(self.ram_total) and _size(self.ram_available), "bad RAM figures")
+        require(isinstance(self.idle, bool), "idle must be a bool")
+        require(_opt_time(self.idle_since), "bad idle_since")
+        require(self.on_ac is None or isinstance(self.on_ac, bool), "on_ac must be a bool or nil")
+        for name in ("control_port", "pair_port", "info_port"):
+            require(_port(getattr(self, name)), f"{name} must be 1..{MAX_PORT}")
+        require(is_z85_key(self.public_key), "public_key must be a 40-character Z85 key")
+        require(isinstance(self.fingerprint, str) and re.fullmatch(r"[0-9a-f]{16}", self.fingerprint)
+                is not None, "fingerprint must be 16 hex digits")
+        if self.idle_since is not None:
+            set_float(self, "idle_since")
+
+
+@register
+@dataclass(frozen=True)
+class ShardInfo:
+    KIND: ClassVar[str] = "shard_info"
+    shard_id: str  # the controller's name for it, e.g. "llama-3.1-8b/L0-16"
+    sha256: str  # content hash; the agent stores shards by it
+    size: int  # bytes of the whole shard
+    have_bytes: int  # bytes received so far (= size once cached)
+    state: ShardState  # cached < partial < starting < running < exited
+    pid: int | None  # worker process id while starting/running
+    exit_code: int | None  # once exited; negative = killed by that signal
+    device: str | None  # device the worker was started on
+
+    def __post_init__(self) -> None:
+        require(_rid(self.shard_id), "bad shard_id")
+        require(is_sha256(self.sha256), "sha256 must be 64 lower-case hex digits")
+        require(_size(self.size) and _size(self.have_bytes) and self.have_bytes <= self.size,
+                "bad size/have_bytes")
+        require(self.pid is None or (is_int(self.pid) and 0 < self.pid < 2**31), "bad pid")
+        require(self.exit_code is None or (is_int(self.exit_code) and -255 <= self.exit_code <= 255),
+                "bad exit_code")
+        require(self.device is None or is_text(self.device, 64, allow_empty=False), "bad device")
+        require(self.state in get_args(ShardState), f"state must be one of {get_args(ShardState)}")
+
+
+# ---------------------------------------------------------------- info port
+
+
+@register
+@dataclass(frozen=True)
+class InfoRequest:
+    KIND: ClassVar[str] = "info_request"
+    request_id: str  # echoed in the reply
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+
+
+@register
+@dataclass(frozen=True)
+class InfoReply:
+    KIND: ClassVar[str] = "info_reply"
+    request_id: str  # of the InfoRequest
+    info: AgentInfo  # the same facts as the mDNS TXT record
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(isinstance(self.info, AgentInfo), "info must be AgentInfo")
+
+
+# ---------------------------------------------------------------- pairing port
+
+
+@register
+@dataclass(frozen=True)
+class PairRequest:
+    """Ask to be paired, or (sent again) whether the owner has accepted yet.
+    The controller's key is NOT in the body: the agent takes it from the CURVE
+    handshake, so nobody can ask to pair a key they do not hold."""
+
+    KIND: ClassVar[str] = "pair_request"
+    request_id: str  # echoed in the reply
+    controller_name: str  # shown to the owner next to the code, e.g. "alice-laptop"
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(is_text(self.controller_name, MAX_NAME_CHARS, allow_empty=False),
+                f"controller_name must be 1..{MAX_NAME_CHARS} characters")
+
+
+@register
+@dataclass(frozen=True)
+class PairReply:
+    KIND: ClassVar[str] = "pair_reply"
+    request_id: str  # of the PairRequest
+    state: PairState  # pending until the owner accepts the code on the agent
+    code: str  # 6 digits from both public keys, as the agent computes it
+    agent_name: str  # the agent's host name, for the controller's screen
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(isinstance(self.code, str) and _CODE.match(self.code) is not None,
+                "code must be 6 digits")
+        require(self.state in get_args(PairState), f"state must be one of {get_args(PairState)}")
+        require(is_text(self.agent_name, MAX_NAME_CHARS), "agent_name is too long")
+
+
+# ---------------------------------------------------------------- control port
+
+
+@register
+@dataclass(frozen=True)
+class StatusRequest:
+    KIND: ClassVar[str] = "status_request"
+    request_id: str  # echoed in the reply
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+
+
+@register
+@dataclass(frozen=True)
+class StatusReply:
+    KIND: ClassVar[str] = "status_reply"
+    request_id: str  # of the StatusRequest
+    info: AgentInfo  # current figures (not the thresholded announcement)
+    sharing: bool  # the policy allows new work right now
+    reason: str  # why not, when sharing is False ("user active", "on battery"); else ""
+    shards: tuple[ShardInfo, ...]  # every shard the agent holds, partial or running
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(isinstance(self.info, AgentInfo), "info must be AgentInfo")
+        require(isinstance(self.sharing, bool), "sharing must be a bool")
+        require(is_text(self.reason, MAX_DETAIL_CHARS), "reason is too long")
+        require(isinstance(self.shards, tuple) and len(self.shards) <= MAX_SHARDS
+                and all(isinstance(s, ShardInfo) for s in self.shards), "bad shards")
+
+
+@register
+@dataclass(frozen=True)
+class PrepareRequest:
+    """Announce a shard. The reply says whether it is already cached, else how
+    many bytes of it the agent has (resume from there with ChunkRequests)."""
+
+    KIND: ClassVar[str] = "prepare_request"
+    request_id: str  # echoed in the reply
+    shard_id: str  # the controller's name for the shard
+    sha256: str  # of the whole shard file
+    size: int  # bytes of the whole shard file
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(_rid(self.shard_id), "bad shard_id")
+        require(is_sha256(self.sha256), "sha256 must be 64 lower-case hex digits")
+        require(_size(self.size), f"size must be 0..{MAX_SHARD_BYTES}")
+
+
+@register
+@dataclass(frozen=True)
+class PrepareReply:
+    KIND: ClassVar[str] = "prepare_reply"
+    request_id: str  # of the PrepareRequest
+    sha256: str  # the shard
+    cached: bool  # complete and verified; no chunks needed
+    have_bytes: int  # send chunks from this offset on
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(is_sha256(self.sha256), "bad sha256")
+        require(isinstance(self.cached, bool), "cached must be a bool")
+        require(_size(self.have_bytes), "bad have_bytes")
+
+
+@register
+@dataclass(frozen=True)
+class ChunkRequest:
+    """A piece of a prepared shard. Chunks arrive in order: offset must equal
+    the agent's have_bytes, so a resend after a lost reply is refused rather
+    than written twice (the controller re-Prepares to learn where to go on)."""
+
+    KIND: ClassVar[str] = "chunk_request"
+    request_id: str  # echoed in the reply
+    sha256: str  # the shard this belongs to (announced by PrepareRequest)
+    offset: int  # byte offset in the shard
+    data: bytes  # 1..MAX_CHUNK_BYTES bytes
+    chunk_sha256: str  # of data: catches a corrupted chunk before it lands on disk
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(is_sha256(self.sha256) and is_sha256(self.chunk_sha256), "bad sha256")
+        require(_size(self.offset), "bad offset")
+        require(isinstance(self.data, bytes) and 0 < len(self.data) <= MAX_CHUNK_BYTES,
+                f"data must be 1..{MAX_CHUNK_BYTES} bytes")
+
+
+@register
+@dataclass(frozen=True)
+class ChunkReply:
+    KIND: ClassVar[str] = "chunk_reply"
+    request_id: str  # of the ChunkRequest
+    sha256: str  # the shard
+    have_bytes: int  # bytes the agent now holds
+    complete: bool  # the last chunk arrived and the whole-shard hash matched
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(is_sha256(self.sha256), "bad sha256")
+        require(_size(self.have_bytes), "bad have_bytes")
+        require(isinstance(self.complete, bool), "complete must be a bool")
+
+
+@register
+@dataclass(frozen=True)
+class LoadRequest:
+    """Start a shard worker on a cached shard."""
+
+    KIND: ClassVar[str] = "load_request"
+    request_id: str  # echoed in the reply
+    sha256: str  # a cached shard
+    device: str  # OpenVINO device for the worker: "CPU", "GPU.0", "NPU", "AUTO"
+    data_port: int  # TCP port the worker binds for the data plane; 0 = the worker picks
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(is_sha256(self.sha256), "bad sha256")
+        require(isinstance(self.device, str) and re.fullmatch(r"[A-Z][A-Z0-9_.:,]{0,63}", self.device)
+                is not None, "device must look like CPU, GPU.0, NPU or AUTO")
+        require(_port(self.data_port, allow_zero=True), f"data_port must be 0..{MAX_PORT}")
+
+
+@register
+@dataclass(frozen=True)
+class LoadReply:
+    KIND: ClassVar[str] = "load_reply"
+    request_id: str  # of the LoadRequest
+    shard: ShardInfo  # state "starting" or "running", with the worker's pid
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(isinstance(self.shard, ShardInfo), "shard must be ShardInfo")
+
+
+@register
+@dataclass(frozen=True)
+class UnloadRequest:
+    KIND: ClassVar[str] = "unload_request"
+    request_id: str  # echoed in the reply
+    sha256: str  # the shard whose worker to stop (the cached file stays)
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(is_sha256(self.sha256), "bad sha256")
+
+
+@register
+@dataclass(frozen=True)
+class UnloadReply:
+    KIND: ClassVar[str] = "unload_reply"
+    request_id: str  # of the UnloadRequest
+    shard: ShardInfo  # state "exited" with the worker's exit code
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(isinstance(self.shard, ShardInfo), "shard must be ShardInfo")
+
+
+@register
+@dataclass(frozen=True)
+class StopRequest:
+    KIND: ClassVar[str] = "stop_request"
+    request_id: str  # echoed in the reply
+    shutdown: bool  # also end the agent process (after replying); else only its workers
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(isinstance(self.shutdown, bool), "shutdown must be a bool")
+
+
+@register
+@dataclass(frozen=True)
+class StopReply:
+    KIND: ClassVar[str] = "stop_reply"
+    request_id: str  # of the StopRequest
+    stopped: int  # workers stopped
+
+    def __post_init__(self) -> None:
+        require(_rid(self.request_id), "bad request_id")
+        require(is_int(self.stopped) and 0 <= self.stopped <= MAX_COUNT, "bad stopped")
+
+
+@register
+@dataclass(frozen=True)
+class AgentEvent:
+    """Pushed by the agent, unasked, to every controller it has heard from:
+    it yielded the PC to its user, or a worker exited on its own."""
+
+    KIND: ClassVar[str] = "agent_event"
+    node_id: str  # the agent
+    event: EventKind  # what happened
+    detail: str  # one line for people ("user returned", "exit code 1")
+    shards: tuple[str, ...]  # sha256 of the shards concerned
+    time: float  # unix time on the agent
+
+    def __post_init__(self) -> None:
+        require(is_node_id(self.node_id), "bad node_id")
+        require(self.event in get_args(EventKind), f"event must be one of {get_args(EventKind)}")
+        require(is_text(self.detail, MAX_DETAIL_CHARS), "detail is too long")
+        require(isinstance(self.shards, tuple) and len(self.shards) <= MAX_SHARDS
+                and all(is_sha256(s) for s in self.shards), "bad shards")
+        require(is_num(self.time) and self.time >= 0, "bad time")
+        set_float(self, "time")
+
+
+CONTROL_REQUESTS = (StatusRequest, PrepareRequest, ChunkRequest, LoadRequest, UnloadRequest,
+                    StopRequest)

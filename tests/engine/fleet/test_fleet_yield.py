@@ -1,0 +1,56 @@
+"""When the user comes back the agent yields within 2 s: it stops its workers
+(even one that ignores SIGTERM) and tells the controller; new loads are refused
+until the user is away again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import psutil
+import pytest
+
+from engine.fleet.client import AgentClient, AgentRefused, sha256_file
+from engine.fleet.security import KeyPair
+from tests.engine.fleet.fleet_helpers import AgentProc, free_port, pair, set_idle
+
+
+def test_user_returns_agent_yields_within_2s(tmp_path):
+    agent = AgentProc(tmp_path, worker_args="--ignore-term").start()  # a hung worker: worst case
+    try:
+        async def main() -> float:
+            me = KeyPair.generate()
+            await pair(agent, me)
+            c = await AgentClient(me, agent.control, agent.public_key).async_connect()
+            shard = tmp_path / "s.bin"
+            shard.write_bytes(os.urandom(200_000))
+            sha = sha256_file(shard)
+            await c.send_shard(shard, "s")
+            pid = (await c.load(sha, "CPU", free_port())).shard.pid
+            await asyncio.sleep(0.5)  # let it start and ignore SIGTERM
+            child = psutil.Process(pid)
+            t0 = time.time()
+            set_idle(agent.idle_file, 0)  # the user touches the mouse
+            while child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                assert time.time() - t0 < 5, "worker still running 5 s after the user came back"
+                await asyncio.sleep(0.02)
+            took = time.time() - t0
+            event = await c.next_event(timeout=3)
+            assert event is not None and event.event == "yield" and event.shards == (sha,)
+            assert event.detail == "user active"
+            st = await c.status()
+            assert not st.sharing and st.reason == "user active" and not st.info.idle
+            with pytest.raises(AgentRefused, match="user active"):
+                await c.load(sha, "CPU", 0)
+            set_idle(agent.idle_file, 3600)  # away again
+            await asyncio.sleep(1.0)
+            assert (await c.load(sha, "CPU", free_port())).shard.state == "running"
+            c.close()
+            return took
+
+        took = asyncio.run(main())
+        print(f"\nyield: worker (ignoring SIGTERM) gone {took:.2f} s after the user returned")
+        assert took < 2.0
+    finally:
+        agent.stop()
