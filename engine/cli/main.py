@@ -19,7 +19,7 @@ EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import agent_cmd, bench_cmd, chat_cmd, models_cmd, serve_cmd
+    from engine.cli import agent_cmd, bench_cmd, chat_cmd, models_cmd, serve_cmd, sparse_cmd
 
     parser = argparse.ArgumentParser(
         prog="flotilla",
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     agent_cmd.add_parser(sub)
+    sparse_cmd.add_parser(sub)
     app = sub.add_parser("app", help="open the desktop app (the same as plain `flotilla`)")
     app.set_defaults(func=lambda _args: open_app([]))
     return parser

@@ -1,0 +1,205 @@
+"""`flotilla bench moe`: Bevy against the offloading baselines, side by side.
+
+A Mixtral-style random-weight model whose experts do not fit the cache
+(cache = 25% of all experts), experts read with O_DIRECT. For concurrency
+1, 4 and 16 and every scheduler (bevy, on_demand, prefetch, resident), the
+same requests run through a fresh engine; schedulers alternate inside each
+repeat so that drift of this shared machine hits all of them alike, and the
+figures are medians over repeats.
+
+Reported per scheduler and concurrency: aggregate tok/s, time per output
+token (per request, after its first token), cache hit rate and bytes read per
+output token; at 16 requests the speedups of bevy over on_demand and over
+prefetch; and the overlap bound: max(compute, I/O) per token, where compute
+is the all-resident run's time per token and I/O is bevy's bytes per token
+over the disk bandwidth measured with the same reader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+NAME = "moe"
+HELP = "MoE expert offloading: Bevy scheduler vs on-demand, prefetch and all-resident"
+
+SCHEDULERS = ("bevy", "on_demand", "prefetch", "resident")
+PROMPTS = ["Once upon a time", "The robot walked into", "Tell me about the sea", "A small cat",
+           "In the morning the", "She opened the door and", "Why is the sky", "The old man said"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16 quick, 24 full)")
+    p.add_argument("--experts", type=int, default=None, help="experts per layer (default 32 quick, 64 full)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    p.add_argument("--expert-inter", type=int, default=512,
+                   help="expert FFN width (default 512: 3*256*512 f32 = 1.6 MB per expert)")
+    p.add_argument("--cache-fraction", type=float, default=0.25, help="cache budget / all experts (default 0.25)")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated request counts (default 1,4,16)")
+    p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default 16 quick, 48 full)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats per cell (default 3 quick, 5 full)")
+    p.add_argument("--schedulers", default=",".join(SCHEDULERS), help="which schedulers to run")
+    p.add_argument("--buffered", action="store_true", help="buffered reads instead of O_DIRECT")
+
+
+def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    from engine.models.demo import ensure_recipe
+    from engine.moe.convert import ensure_store
+    from engine.moe.recipes import bench_recipe
+    from engine.moe.store import ExpertStore, StoreConfig
+
+    quick = bool(args.quick)
+    layers = args.layers or (16 if quick else 24)
+    experts = args.experts or (32 if quick else 64)
+    tokens = args.tokens or (16 if quick else 48)
+    repeats = args.repeats or (3 if quick else 5)
+    concs = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    scheds = [s for s in str(args.schedulers).split(",") if s.strip()]
+
+    recipe = bench_recipe(layers, experts, args.hidden, args.expert_inter)
+    report(f"building {recipe.demo_id} (first run only)")
+    t = time.time()
+    path = ensure_recipe(recipe)
+    store_dir = ensure_store(path, recipe.fingerprint())
+    report(f"model + expert store ready in {time.time() - t:.1f} s")
+    store = ExpertStore(store_dir, StoreConfig(direct=not args.buffered))
+    index = store.index
+    budget = int(index.total_expert_bytes * args.cache_fraction)
+    disk = _disk_bandwidth(store)
+    store.close()
+    report(f"{len(index.blobs)} experts x {index.blob_bytes / 1e6:.2f} MB = {index.total_expert_bytes / 1e9:.2f} GB; "
+           f"cache {budget / 1e6:.0f} MB ({args.cache_fraction:.0%}); disk {disk / 1e6:.0f} MB/s "
+           f"({'O_DIRECT' if store.direct else 'buffered'})")
+
+    cells: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for rep in range(repeats):
+        for conc in concs:
+            order = scheds[rep % len(scheds):] + scheds[:rep % len(scheds)]  # rotate who goes first
+            for sched in order:
+                m = _one_run(store_dir, recipe.demo_id, sched, budget, conc, tokens, not args.buffered)
+                cells.setdefault((sched, conc), []).append(m)
+                report(f"  repeat {rep + 1}/{repeats} c={conc:<2} {sched:<9} {m['tok_s']:7.1f} tok/s  "
+                       f"hit {m['hit_rate']:.2f}  {m['mb_per_token']:.1f} MB/token")
+
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for (sched, conc), runs in cells.items():
+        table.setdefault(sched, {})[str(conc)] = {k: round(statistics.median(r[k] for r in runs), 4)
+                                                  for k in runs[0]}
+    out: dict[str, Any] = {
+        "model": {"recipe": recipe.demo_id, "layers": layers, "experts_per_layer": experts,
+                  "top_k": index.top_k, "expert_mb": round(index.blob_bytes / 1e6, 3),
+                  "all_experts_mb": round(index.total_expert_bytes / 1e6, 1)},
+        "cache_budget_mb": round(budget / 1e6, 1), "cache_fraction": args.cache_fraction,
+        "o_direct": not args.buffered, "disk_mb_s": round(disk / 1e6, 1),
+        "tokens_per_request": tokens, "repeats": repeats, "results": table,
+    }
+    top = str(max(concs))
+    if all(s in table and top in table[s] for s in ("bevy", "on_demand", "prefetch")):
+        b = table["bevy"][top]
+        out["concurrency_for_speedups"] = int(top)
+        out["speedup_vs_on_demand"] = round(b["tok_s"] / table["on_demand"][top]["tok_s"], 3)
+        out["speedup_vs_prefetch"] = round(b["tok_s"] / table["prefetch"][top]["tok_s"], 3)
+        # Per-repeat ratios (side by side), for the spread.
+        out["speedup_vs_on_demand_per_repeat"] = [round(x["tok_s"] / y["tok_s"], 3) for x, y in
+                                                  zip(cells[("bevy", int(top))], cells[("on_demand", int(top))])]
+        out["speedup_vs_prefetch_per_repeat"] = [round(x["tok_s"] / y["tok_s"], 3) for x, y in
+                                                 zip(cells[("bevy", int(top))], cells[("prefetch", int(top))])]
+        out["goals"] = {"speedup_vs_on_demand": 3.5, "speedup_vs_prefetch": 1.6}
+        if "resident" in table:
+            bound = {}
+            for c in map(str, concs):
+                compute = table["resident"][c]["s_per_token"]
+                io = table["bevy"][c]["mb_per_token"] * 1e6 / disk
+                bound[c] = {"compute_s_per_token": round(compute, 5), "io_s_per_token": round(io, 5),
+                            "bound_s_per_token": round(max(compute, io), 5),
+                            "bevy_s_per_token": table["bevy"][c]["s_per_token"],
+                            "bevy_vs_bound": round(max(compute, io) / table["bevy"][c]["s_per_token"], 3)}
+            out["overlap_bound"] = bound
+    return out
+
+
+def _one_run(store_dir, model_id: str, sched: str, budget: int, conc: int, tokens: int,
+             direct: bool) -> dict[str, float]:
+    from engine.moe.engine import MoEConfig, MoEEngine
+    from engine.protocol.messages import GenerateRequest, SamplingParams
+
+    cfg = MoEConfig(scheduler=sched, cache_budget_bytes=budget, direct_io=direct, max_concurrent=max(16, conc))
+    engine = MoEEngine(store_dir, model_id, cfg)
+    try:
+        reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
+                                sampling=SamplingParams(max_tokens=tokens)) for i in range(conc)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(conc) as pool:
+            finals = list(pool.map(lambda r: list(engine.stream(engine.submit(r)))[-1], reqs))
+        wall = time.perf_counter() - t0
+        st = engine.stats()
+    finally:
+        engine.close()
+    for f in finals:
+        if f.error:
+            raise RuntimeError(f"{sched}: request failed: {f.error}")
+    out_tokens = sum(f.usage.completion_tokens for f in finals)
+    tpot = [(f.timings.total_s - f.timings.ttft_s) / (f.usage.completion_tokens - 1)
+            for f in finals if f.usage.completion_tokens > 1]
+    return {"tok_s": out_tokens / wall, "s_per_token": wall / out_tokens,
+            "tpot_s": statistics.mean(tpot) if tpot else 0.0, "hit_rate": st["hit_rate"],
+            "mb_per_token": st["bytes_read"] / 1e6 / out_tokens, "mean_group": st["mean_group"],
+            "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall}
+
+
+def _disk_bandwidth(store, n: int = 96, threads: int = 4) -> float:
+    """Bytes/s reading random blobs with the engine's reader (O_DIRECT, thread pool)."""
+    import random
+
+    from engine.moe.store import aligned_buffer
+
+    import threading
+
+    keys = random.Random(0).sample(store.keys, min(n, len(store.keys)))
+    local = threading.local()  # one aligned buffer per reader thread
+
+    def read(key) -> None:
+        if not hasattr(local, "buf"):
+            local.buf = aligned_buffer(store.index.blob_bytes)
+        store.read_into(key, local.buf)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, keys))
+    return len(keys) * store.index.blob_bytes / (time.perf_counter() - t)
+
+
+def plot(figures: dict[str, Any], out_png: str) -> None:
+    """tok/s against concurrency per scheduler (needs matplotlib):
+    python -c "import json,engine.bench.moe as m; m.plot(json.load(open('f.json')), 'docs/moe-throughput.png')"
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    styles = {"bevy": ("#d62728", "o"), "on_demand": ("#1f77b4", "s"), "prefetch": ("#2ca02c", "^"),
+              "resident": ("#7f7f7f", "D")}
+    for sched, by_conc in figures["results"].items():
+        concs = sorted(int(c) for c in by_conc)
+        color, marker = styles.get(sched, (None, "x"))
+        ax.plot(concs, [by_conc[str(c)]["tok_s"] for c in concs], marker=marker, color=color,
+                linestyle="--" if sched == "resident" else "-",
+                label=sched + (" (upper bound, all experts in RAM)" if sched == "resident" else ""))
+    m = figures["model"]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concs)
+    ax.set_xticklabels([str(c) for c in concs])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("aggregate tokens / s")
+    ax.set_title(f"MoE offloading: {m['layers']} layers x {m['experts_per_layer']} experts "
+                 f"({m['expert_mb']:.1f} MB each), cache {figures['cache_fraction']:.0%}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)

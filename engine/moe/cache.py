@@ -1,0 +1,228 @@
+"""The expert cache: a RAM budget cut into fixed slots, one expert blob each.
+
+Slots are page-aligned anonymous mmaps allocated once, so the store reads
+straight into them with O_DIRECT and the torch weight views over a slot stay
+valid whatever expert it holds. A resident expert can be *pinned* (being
+computed with, or fetched for requests still waiting for it); only unpinned
+ones are evicted.
+
+Eviction by frequency and recency: every routing decision counts as a demand
+for its expert (hit or miss), demand counts are halved every `decay_every`
+demands so old popularity fades, and the victim is the unpinned expert with
+the lowest count, the least recently used among equals. Under the cyclic
+layer-by-layer access of decoding, plain LRU evicts exactly the experts that
+come back first; counting demand keeps the popular ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import psutil
+
+from engine.moe.store import Key, StoreIndex, aligned_buffer
+
+MB = 1e6
+
+
+@dataclass
+class _Slot:
+    buf: object  # the aligned mmap the store reads into
+    views: tuple  # torch views (gate_up [2I, H], down [H, I]) over buf
+    key: Key | None = None  # what it holds; None when free or being filled
+    pins: int = 0  # users that must not see it evicted
+    filling: bool = False  # a fetch is writing into it
+
+
+@dataclass
+class CacheStats:
+    demands: int = 0  # routing decisions counted (request, layer, expert)
+    hits: int = 0  # of those, resident when routed
+    evictions: int = 0  # experts dropped to make room
+    inserts: int = 0  # experts loaded into slots
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.demands if self.demands else 0.0
+
+
+@dataclass
+class _Freq:
+    count: float = 0.0  # demand count (decayed)
+    last: int = 0  # demand clock of the last use
+
+
+def min_budget_bytes(index: StoreIndex) -> int:
+    """The smallest budget that works: one layer's top-k experts."""
+    return index.top_k * index.blob_bytes
+
+
+def derive_budget(index: StoreIndex, fraction: float = 0.5) -> int:
+    """No budget given: half of the RAM available now, at most every expert."""
+    return int(min(index.total_expert_bytes, psutil.virtual_memory().available * fraction))
+
+
+class ExpertCache:
+    def __init__(self, index: StoreIndex, budget_bytes: int | None, decay_every: int | None = None) -> None:
+        import torch
+
+        budget = derive_budget(index) if budget_bytes is None else int(budget_bytes)
+        need = min_budget_bytes(index)
+        if budget < need:
+            raise ValueError(
+                f"expert cache budget {budget / MB:.1f} MB is below one layer's top-{index.top_k} experts; "
+                f"the minimum is {need / MB:.1f} MB ({index.top_k} x {index.blob_bytes / MB:.2f} MB); "
+                f"all experts take {index.total_expert_bytes / MB:.1f} MB")
+        self.index = index
+        self.budget_bytes = budget
+        n = min(budget // index.blob_bytes, len(index.blobs))
+        self._slots: list[_Slot] = []
+        for _ in range(n):
+            buf = aligned_buffer(index.blob_bytes)
+            views = tuple(torch.frombuffer(buf, dtype=torch.float32, count=_numel(p.shape), offset=p.offset)
+                          .view(*p.shape) for p in index.parts)
+            self._slots.append(_Slot(buf, views))
+        self._where: dict[Key, int] = {}  # resident key -> slot
+        self._freq: dict[Key, _Freq] = {}
+        self._clock = 0
+        self._decay_every = decay_every or max(64, 4 * n)
+        self._cond = threading.Condition()
+        self.stats = CacheStats()
+
+    @property
+    def capacity(self) -> int:
+        """Slots = experts the cache can hold."""
+        return len(self._slots)
+
+    # -- lookups (scheduler thread) -------------------------------------------------
+    def demand(self, key: Key) -> bool:
+        """Count one routing decision for `key`; True if it is resident now."""
+        with self._cond:
+            self._clock += 1
+            f = self._freq.setdefault(key, _Freq())
+            f.count += 1
+            f.last = self._clock
+            if self._clock % self._decay_every == 0:
+                for g in self._freq.values():
+                    g.count *= 0.5
+            hit = key in self._where
+            self.stats.demands += 1
+            self.stats.hits += hit
+            return hit
+
+    def demand_many(self, keys: list[Key]) -> None:
+        """demand() for each of `keys`, under one lock."""
+        with self._cond:
+            for key in keys:
+                self._clock += 1
+                f = self._freq.setdefault(key, _Freq())
+                f.count += 1
+                f.last = self._clock
+                if self._clock % self._decay_every == 0:
+                    for g in self._freq.values():
+                        g.count *= 0.5
+                self.stats.demands += 1
+                self.stats.hits += key in self._where
+
+    def resident(self, key: Key) -> bool:
+        with self._cond:
+            return key in self._where
+
+    def pin(self, key: Key) -> tuple | None:
+        """Pin a resident expert and return its weight views; None if not resident."""
+        with self._cond:
+            i = self._where.get(key)
+            if i is None:
+                return None
+            self._slots[i].pins += 1
+            return self._slots[i].views
+
+    def unpin(self, key: Key) -> None:
+        with self._cond:
+            i = self._where.get(key)
+            if i is not None and self._slots[i].pins > 0:
+                self._slots[i].pins -= 1
+                if self._slots[i].pins == 0:
+                    self._cond.notify_all()
+
+    def buffer(self, slot: int):
+        """The aligned buffer of a reserved slot (for the store to read into)."""
+        return self._slots[slot].buf
+
+    def pinned(self) -> int:
+        with self._cond:
+            return sum(1 for s in self._slots if s.pins or s.filling)
+
+    # -- filling (fetch threads) ---------------------------------------------------------
+    def reserve(self, timeout: float | None = None) -> int | None:
+        """A slot to fill: a free one, else evict the coldest unpinned expert.
+        Waits (up to timeout) while every slot is pinned or filling."""
+        with self._cond:
+            while True:
+                i = self._victim()
+                if i is not None:
+                    s = self._slots[i]
+                    if s.key is not None:
+                        del self._where[s.key]
+                        self.stats.evictions += 1
+                    s.key, s.filling = None, True
+                    return i
+                if not self._cond.wait(timeout):
+                    return None
+
+    def commit(self, slot: int, key: Key, pins: int = 1) -> None:
+        """The fetch of `key` into `slot` finished: make it resident (pinned for its waiters)."""
+        with self._cond:
+            s = self._slots[slot]
+            s.key, s.filling, s.pins = key, False, pins
+            self._where[key] = slot
+            self.stats.inserts += 1
+            self._cond.notify_all()
+
+    def release(self, slot: int) -> None:
+        """A fetch failed: give the slot back empty."""
+        with self._cond:
+            self._slots[slot].filling = False
+            self._slots[slot].key = None
+            self._cond.notify_all()
+
+    def _victim(self) -> int | None:
+        best, best_score = None, None
+        for i, s in enumerate(self._slots):
+            if s.filling or s.pins:
+                continue
+            if s.key is None:
+                return i
+            f = self._freq.get(s.key) or _Freq()
+            score = (f.count, f.last)
+            if best_score is None or score < best_score:
+                best, best_score = i, score
+        return best
+
+    def preload(self, store, keys) -> None:
+        """Fill the cache with `keys` (all-resident mode, warm starts); unpinned."""
+        for key in keys:
+            if self.resident(key):
+                continue
+            slot = self.reserve(timeout=0)
+            if slot is None:
+                break
+            try:
+                store.read_into(key, self._slots[slot].buf)
+            except Exception:
+                self.release(slot)
+                raise
+            self.commit(slot, key, pins=0)
+
+    def close(self) -> None:
+        with self._cond:
+            self._slots.clear()
+            self._where.clear()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,183 @@
+"""Convert a Hugging Face MoE checkpoint into an expert store (see store.py).
+
+Handles both ways checkpoints hold experts:
+  * per expert (what transformers 5 still writes, and every hub checkpoint):
+      Mixtral   layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight  (gate, up, down)
+      Qwen2/3-MoE, OLMoE   layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight
+  * stacked (transformers 5 module layout):
+      layers.L.mlp.experts.gate_up_proj [E, 2I, H] and .down_proj [E, H, I]
+Everything else (attention, norms, routers, Qwen2-MoE's shared expert) goes
+into rest.safetensors under the names the transformers 5 modules use
+(`block_sparse_moe.` becomes `mlp.`), and stays resident.
+
+The store is written into a temporary folder and renamed into place, so an
+interrupted conversion never leaves a half-written store behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from engine.moe.store import (ALIGN, BLOB_FILE, INDEX_FILE, REST_FILE, BlobInfo, Part, StoreError,
+                              StoreIndex, align_up, checksum, default_checksum)
+
+Progress = Callable[[str, float], None]
+
+# layers.L.(mlp|block_sparse_moe).experts.E.(proj).weight
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# layers.L.mlp.experts.(gate_up_proj|gate_proj|up_proj|down_proj)[.weight], stacked over experts
+_STACKED = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+                      r"(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+         "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+         "flotilla-demo.json")
+
+
+def is_store(folder: Path, source: str | None = None) -> bool:
+    """True when `folder` holds a complete store (converted from `source`, if given)."""
+    try:
+        d = json.loads((Path(folder) / INDEX_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (Path(folder) / BLOB_FILE).exists() and (source is None or d.get("source") == source)
+
+
+def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress | None = None) -> Path:
+    """Write the expert store of the checkpoint in `model_dir` to `out_dir`."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    report = progress or (lambda _m, _f: None)
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise StoreError(f"{model_dir} has no safetensors weights (the MoE engine needs them)")
+    handles = {f: safe_open(str(f), framework="pt") for f in files}
+    where = {name: f for f, h in handles.items() for name in h.keys()}
+
+    # Sort the tensor names: expert parts by (layer, expert, role), the rest by name.
+    per: dict[tuple[int, int], dict[str, str]] = defaultdict(dict)
+    stacked: dict[int, dict[str, str]] = defaultdict(dict)
+    rest: list[str] = []
+    for name in where:
+        if m := _PER_EXPERT.search(name):
+            per[(int(m.group(1)), int(m.group(2)))][_ROLE[m.group(3)]] = name
+        elif m := _STACKED.search(name):
+            stacked[int(m.group(1))][m.group(2)] = name
+        else:
+            rest.append(name)
+    if not per and not stacked:
+        raise StoreError(f"{model_dir} has no routed experts (is it a MoE model?)")
+
+    def load(name: str):
+        return handles[where[name]].get_tensor(name).float()
+
+    def expert_tensors(layer: int, e: int):
+        """(gate [I,H], up [I,H], down [H,I]) of one expert, float32."""
+        if (layer, e) in per:
+            p = per[(layer, e)]
+            missing = {"gate", "up", "down"} - set(p)
+            if missing:
+                raise StoreError(f"expert {e} of layer {layer} lacks {', '.join(sorted(missing))}")
+            return load(p["gate"]), load(p["up"]), load(p["down"])
+        s = stacked[layer]
+        if "gate_up_proj" in s:
+            gu = handles[where[s["gate_up_proj"]]].get_slice(s["gate_up_proj"])[e].float()  # [2I, H]
+            inter = gu.shape[0] // 2
+            gate, up = gu[:inter], gu[inter:]
+        else:
+            gate = handles[where[s["gate_proj"]]].get_slice(s["gate_proj"])[e].float()
+            up = handles[where[s["up_proj"]]].get_slice(s["up_proj"])[e].float()
+        down = handles[where[s["down_proj"]]].get_slice(s["down_proj"])[e].float()
+        return gate, up, down
+
+    keys = sorted(set(per) | {(layer, e) for layer, s in stacked.items()
+                              for e in range(_stacked_count(handles, where, s))})
+    layer0, e0 = keys[0]
+    gate, up, down = expert_tensors(layer0, e0)
+    inter, hidden = gate.shape
+    if down.shape[0] != hidden and down.shape[1] == hidden:  # some exports hold down as [I, H]
+        raise StoreError(f"unexpected down_proj shape {tuple(down.shape)} (want [{hidden}, {inter}])")
+    data_bytes = (2 * inter * hidden + hidden * inter) * 4
+    blob_bytes = align_up(data_bytes)
+    parts = (Part("gate_up", (2 * inter, hidden), 0), Part("down", (hidden, inter), 2 * inter * hidden * 4))
+    algo = default_checksum()
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        blobs: dict[tuple[int, int], BlobInfo] = {}
+        buf = np.zeros(blob_bytes, dtype=np.uint8)
+        with open(tmp / BLOB_FILE, "wb") as f:
+            for i, (layer, e) in enumerate(keys):
+                gate, up, down = expert_tensors(layer, e)
+                if tuple(gate.shape) != (inter, hidden) or tuple(down.shape) != (hidden, inter):
+                    raise StoreError(f"expert {e} of layer {layer} has shapes unlike expert {e0} of layer {layer0}")
+                buf[:] = 0
+                flat = np.concatenate([gate.numpy().ravel(), up.numpy().ravel(), down.numpy().ravel()])
+                buf[:data_bytes] = flat.view(np.uint8)
+                offset = f.tell()
+                assert offset % ALIGN == 0
+                f.write(buf.tobytes())
+                blobs[(layer, e)] = BlobInfo(offset, checksum(algo, buf))
+                if i % 64 == 0:
+                    report(f"writing expert blobs ({i}/{len(keys)})", 0.1 + 0.8 * i / len(keys))
+            f.flush()
+            os.fsync(f.fileno())
+        # The rest, under transformers 5 module names; expert tensors are left out.
+        rest_tensors = {name.replace(".block_sparse_moe.", ".mlp."): handles[where[name]].get_tensor(name)
+                        .contiguous() for name in rest}
+        save_file(rest_tensors, str(tmp / REST_FILE))
+        for name in _COPY:
+            if (model_dir / name).exists():
+                shutil.copy2(model_dir / name, tmp / name)
+        num_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+        index = StoreIndex(
+            model_type=str(config.get("model_type", "")), num_layers=int(config["num_hidden_layers"]),
+            moe_layers=tuple(sorted({k[0] for k in keys})),
+            num_experts=num_experts or 1 + max(k[1] for k in keys),
+            top_k=int(config.get("num_experts_per_tok") or 2), hidden=int(hidden), intermediate=int(inter),
+            blob_bytes=blob_bytes, data_bytes=data_bytes, parts=parts, checksum_algo=algo, blobs=blobs,
+            source=source)
+        (tmp / INDEX_FILE).write_text(json.dumps(index.to_json()), encoding="utf-8")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    report("expert store ready", 1.0)
+    return out_dir
+
+
+def _stacked_count(handles, where, s: dict[str, str]) -> int:
+    name = s.get("gate_up_proj") or s.get("gate_proj") or s["down_proj"]
+    return int(handles[where[name]].get_slice(name).get_shape()[0])
+
+
+def store_dir_for(model_dir: Path, fingerprint: str) -> Path:
+    """Where the store of a model lives: the Flotilla cache, never the user's folder."""
+    from engine.models.demo import cache_root
+
+    return cache_root() / "moe-store" / f"{Path(model_dir).name}-{fingerprint}"
+
+
+def ensure_store(model_dir: Path, fingerprint: str, progress: Progress | None = None) -> Path:
+    """The store of a checkpoint, converted once and reused while its fingerprint holds."""
+    out = store_dir_for(model_dir, fingerprint)
+    if not is_store(out, fingerprint):
+        convert(model_dir, out, source=fingerprint, progress=progress)
+    return out

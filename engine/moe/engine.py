@@ -1,0 +1,265 @@
+"""MoEEngine: an MoE model whose experts live on disk, behind the Engine interface.
+
+One scheduler thread owns the model: each turn it admits new requests
+(continuous admission, up to max_concurrent), drops cancelled ones and lets
+the scheduler (Bevy or a baseline, see scheduler.py) do a round of work.
+Fetch threads read experts meanwhile. Token picking, detokenizing, stop
+strings and timings are engine.runtime's (the same as LocalEngine).
+
+    engine = MoEEngine.from_spec("demo-moe", MoEConfig(scheduler="bevy", cache_budget_bytes=2**20))
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from engine.moe.cache import ExpertCache
+from engine.moe.convert import ensure_store
+from engine.moe.fetcher import Fetcher
+from engine.moe.model import MoEModel
+from engine.moe.scheduler import SCHEDULERS, Seq, make_scheduler
+from engine.moe.store import ExpertStore, StoreConfig
+from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
+from engine.runtime.chat import chat_ids, prompt_ids
+from engine.runtime.detokenize import eos_token_ids
+from engine.runtime.generation import Generation, decode_one, finished
+from engine.serve.interface import Engine, EngineError, EngineInfo
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, float], None]
+IDLE_WAIT_S = 0.1  # how long the idle scheduler thread sleeps between checks
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    scheduler: str = "bevy"  # "bevy", or a baseline: "on_demand", "prefetch", "resident"
+    cache_budget_bytes: int | None = None  # RAM for cached experts; None = half the free RAM
+    fetch_threads: int = 4  # parallel blob reads (keeps the disk queue full)
+    direct_io: bool = True  # O_DIRECT reads, so figures show the disk, not the page cache
+    verify: str = "always"  # checksum on "always" / "first" read of each blob / "never"
+    max_concurrent: int = 16  # requests in flight; more wait in line
+    prefill_chunk: int = 256  # prompt tokens per pass
+    torch_threads: int | None = None  # None: cores - 1 (one core left for I/O and hashing)
+    context_length: int | None = None  # cap on prompt + answer; None = the model's
+
+    @classmethod
+    def from_options(cls, options: Any) -> "MoEConfig":
+        """EngineOptions -> MoEConfig: cache_budget_bytes, plus any field in options.extra."""
+        known = {f.name for f in fields(cls)}
+        extra = dict(getattr(options, "extra", None) or {})
+        bad = sorted(set(extra) - known)
+        if bad:
+            raise EngineError(f"unknown moe engine setting(s): {', '.join(bad)}; known: {', '.join(sorted(known))}")
+        if getattr(options, "cache_budget_bytes", None) is not None:
+            extra.setdefault("cache_budget_bytes", options.cache_budget_bytes)
+        return cls(**extra)
+
+
+class _NoStream:
+    """Generation wants a ModelStream; the scheduler feeds logits instead."""
+
+    past = 0
+
+    def close(self) -> None:
+        pass
+
+
+class MoEEngine(Engine):
+    def __init__(self, store_dir: Path, model_id: str, config: MoEConfig = MoEConfig(),
+                 progress: Progress | None = None,
+                 logits_hook: Callable[[str, np.ndarray], None] | None = None) -> None:
+        super().__init__()
+        if config.scheduler not in SCHEDULERS:
+            raise EngineError(f"unknown scheduler {config.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+        if config.max_concurrent < 1:
+            raise EngineError("max_concurrent must be at least 1")
+        from transformers import AutoTokenizer
+
+        report = progress or (lambda _m, _f: None)
+        self.model_id = model_id
+        self.config = config
+        self.logits_hook = logits_hook  # tests: sees every logits vector handed to sampling
+        torch.set_num_threads(config.torch_threads or max(1, (os.cpu_count() or 2) - 1))
+        self.store = ExpertStore(store_dir, StoreConfig(direct=config.direct_io, verify=config.verify))
+        try:
+            budget = config.cache_budget_bytes
+            if config.scheduler == "resident":  # the upper bound: every expert in RAM
+                budget = self.store.index.total_expert_bytes
+            try:
+                self.cache = ExpertCache(self.store.index, budget)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+            report("loading the resident weights", 0.3)
+            self.model = MoEModel(store_dir, self.store.index)
+            if config.scheduler == "resident":
+                report("loading every expert", 0.6)
+                self.cache.preload(self.store, self.store.keys)
+                self.store.bytes_read = self.store.reads = 0  # statistics count serving only
+            self.tokenizer = AutoTokenizer.from_pretrained(store_dir)
+        except BaseException:
+            self.store.close()
+            raise
+        trained = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
+        self.context_length = min(config.context_length, trained) if config.context_length else trained
+        self.eos_ids = eos_token_ids(Path(store_dir), self.tokenizer)
+        self.fetcher = Fetcher(self.store, self.cache, config.fetch_threads)
+        self.scheduler = make_scheduler(config.scheduler, self.model, self.cache, self.fetcher)
+        self._gens: dict[str, Generation] = {}
+        self._inbox: queue.SimpleQueue[tuple[GenerateRequest, float]] = queue.SimpleQueue()
+        self._cancelled: set[str] = set()  # guarded by self._lock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"flotilla-moe-{model_id}", daemon=True)
+        self._thread.start()
+        report("moe engine ready", 1.0)
+
+    @classmethod
+    def from_spec(cls, spec: str, config: MoEConfig = MoEConfig(), progress: Progress | None = None,
+                  **kw: Any) -> "MoEEngine":
+        """Resolve a model spec (demo id, HF folder, hub id), convert it to an
+        expert store once, and open it."""
+        from engine.models import resolve_model
+
+        resolved = resolve_model(spec, progress)
+        if resolved.weights_format != "safetensors":
+            raise EngineError(f"{resolved.model_id}: the moe engine needs a safetensors checkpoint")
+        store_dir = ensure_store(resolved.path, resolved.fingerprint, progress)
+        return cls(store_dir, resolved.model_id, config, progress, **kw)
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.model_id, "moe", "CPU", self.context_length)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for benchmarks (read while idle for consistent figures)."""
+        c, f, s = self.cache.stats, self.fetcher.stats, self.scheduler.stats
+        return {"scheduler": self.config.scheduler, "cache_slots": self.cache.capacity,
+                "direct_io": self.store.direct, "demands": c.demands, "hits": c.hits,
+                "hit_rate": c.hit_rate, "bytes_read": self.store.bytes_read, "blobs_read": self.store.reads,
+                "speculative_reads": f.speculative, "io_busy_s": f.busy_s, "compute_s": s.compute_s,
+                "wait_s": s.wait_s, "passes": s.passes, "groups": s.groups,
+                "mean_group": float(np.mean(s.group_sizes)) if s.group_sizes else 0.0}
+
+    # -- Engine hooks ----------------------------------------------------------------------
+    def _start(self, request: GenerateRequest) -> None:
+        self._inbox.put((request, time.perf_counter()))
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._queues:
+                self._cancelled.add(request_id)
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+        self.fetcher.close()
+        self.cache.close()
+        self.store.close()
+
+    # -- the scheduler thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        waiting: collections.deque[tuple[GenerateRequest, float]] = collections.deque()
+        while not self._stop.is_set():
+            try:
+                self._take_inbox(waiting, block=not self._gens and not waiting)
+                self._drop_cancelled(waiting)
+                while waiting and len(self._gens) < self.config.max_concurrent:
+                    self._admit(*waiting.popleft())
+                if self._gens:
+                    self.scheduler.tick()
+            except Exception:  # a bug in the loop itself: log, keep serving
+                log.exception("moe engine scheduler error")
+                time.sleep(0.01)
+        self._take_inbox(waiting, block=False)
+        for gen in list(self._gens.values()):
+            self._end(gen, finished(gen, "error", error="the engine was closed"))
+        for req, _t in waiting:
+            self._emit(TokenEvent(req.request_id, finish_reason="error", error="the engine was closed",
+                                  usage=Usage(0, 0)))
+
+    def _take_inbox(self, waiting: collections.deque, block: bool) -> None:
+        try:
+            if block:
+                waiting.append(self._inbox.get(timeout=IDLE_WAIT_S))
+            while True:
+                waiting.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _drop_cancelled(self, waiting: collections.deque) -> None:
+        with self._lock:
+            if not self._cancelled:
+                return
+            ids = set(self._cancelled)
+            found = {w[0].request_id for w in waiting} | set(self._gens)
+            self._cancelled = {i for i in self._cancelled - found if i in self._queues}
+        for item in [w for w in waiting if w[0].request_id in ids]:
+            waiting.remove(item)
+            self._emit(TokenEvent(item[0].request_id, finish_reason="cancelled", usage=Usage(0, 0)))
+        for sid in [i for i in ids if i in self._gens]:
+            self.scheduler.remove(sid)
+            self._end(self._gens[sid], finished(self._gens[sid], "cancelled"))
+
+    def _admit(self, request: GenerateRequest, t_submit: float) -> None:
+        try:
+            if request.messages is not None:
+                ids = chat_ids(self.tokenizer, request.messages)
+            else:
+                ids = prompt_ids(self.tokenizer, request.prompt or "")
+            gen = Generation.create(request, ids, _NoStream(), self.tokenizer, self.eos_ids,
+                                    self.context_length, self.config.prefill_chunk, t_submit)
+        except Exception as e:
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+                                  usage=Usage(0, 0)))
+            return
+        gen.t_start = time.perf_counter()
+        self._gens[gen.request_id] = gen
+        self.scheduler.add(Seq(gen.request_id, self._on_logits, self._on_error, list(ids),
+                               chunk=self.config.prefill_chunk))
+
+    def _on_logits(self, seq: Seq, logits: torch.Tensor) -> list[int] | None:
+        gen = self._gens[seq.sid]
+        gen.prefilled = len(gen.prompt_ids)
+        gen.logits = logits.numpy().astype(np.float32, copy=True)  # [vocab]
+        if self.logits_hook is not None:
+            self.logits_hook(seq.sid, gen.logits)
+        event = decode_one(gen)
+        if event.final:
+            self._end(gen, event)
+            return None
+        self._emit(event)
+        token, gen.pending = gen.pending, None  # fed by the scheduler, not a ModelStream
+        return [token]
+
+    def _on_error(self, seq: Seq, err: BaseException) -> None:
+        gen = self._gens.get(seq.sid)
+        if gen is not None:
+            self._end(gen, finished(gen, "error", error=_one_line(err)))
+
+    def _end(self, gen: Generation, event: TokenEvent) -> None:
+        self._gens.pop(gen.request_id, None)
+        self._emit(event)
+
+
+def open_moe_engine(spec: str, options: Any, progress: Progress | None = None) -> MoEEngine:
+    """The factory's opener for `--engine moe` (EngineOptions -> MoEConfig)."""
+    if str(getattr(options, "device", "CPU")).upper() != "CPU":
+        raise EngineError(f"the moe engine runs on the CPU only, not {options.device!r}")
+    return MoEEngine.from_spec(spec, MoEConfig.from_options(options), progress)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:500]

@@ -1,0 +1,354 @@
+"""The resident part of an MoE model, and the batched per-layer steps schedulers drive.
+
+The transformers module tree is built on the meta device (no memory), the
+routed experts are cut out, and everything else is loaded from the store's
+rest.safetensors. Norms, projections, RoPE tables, routers and Qwen2-MoE's
+shared expert are the very transformers modules (their weights and numerics);
+only the attention *wiring* is ours, so that one call serves many requests:
+the rows of every request in a Batch are concatenated, projected, normed and
+routed together, and decode attention is one SDPA over the requests' padded
+KV caches (a pool indexed by request slot, see KVPool).
+
+A forward pass is split into steps a scheduler can interleave across requests:
+
+    b = start(states, ids)                 # embed the rows of many requests: a Batch at layer 0
+    for each layer L:
+        attend(b)                          # attention + router of every row: which experts
+        apply_expert(e, views, parts)      # one expert on its rows, across batches (one matmul set)
+        b = advance(L + 1, [(b, seqs)])    # residual + routed (+ shared), rows of finished requests
+    logits = head(b)                       # [B, vocab] of each request's last position
+
+Everything is float32 and inference-only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.moe.store import REST_FILE, StoreIndex
+
+
+@dataclass(eq=False)
+class SeqState:
+    """One request's place in the model (owned by the scheduler thread)."""
+
+    slot: int  # its row in the KV pool
+    past: int = 0  # tokens already in its KV cache
+    n: int = 0  # tokens in the current pass
+
+
+@dataclass(eq=False)
+class Batch:
+    """Rows of several requests at one layer (request i owns rows starts[i] .. starts[i] + ns[i])."""
+
+    layer: int  # the layer these rows are at
+    states: list[SeqState]  # the requests, in row order
+    ns: list[int]  # rows (tokens) per request
+    x: torch.Tensor  # [N, H] residual stream
+    pos: torch.Tensor  # [N] absolute positions of the rows
+    h: torch.Tensor | None = None  # [N, H] normed MoE input of this layer
+    wflat: torch.Tensor | None = None  # [N * k] routing weights, row-major
+    acc: torch.Tensor | None = None  # [N, H] routed output accumulated so far
+    shared: torch.Tensor | None = None  # [N, H] shared-expert output (Qwen2-MoE), else None
+    groups: dict[int, tuple] = field(default_factory=dict)  # expert -> (rows [m], flat [m], request indexes)
+    left: list[int] = field(default_factory=list)  # per request: experts not applied yet
+    done: set[int] = field(default_factory=set)  # experts applied to this batch
+
+    @property
+    def starts(self) -> list[int]:
+        out, o = [], 0
+        for n in self.ns:
+            out.append(o)
+            o += n
+        return out
+
+    @property
+    def todo(self) -> list[int]:
+        """Experts still to apply at this layer."""
+        return [e for e in self.groups if e not in self.done]
+
+
+class KVPool:
+    """Keys and values of every request, per layer: [slots, kv_heads, capacity, head_dim],
+    grown (doubled) when a request needs more positions. A request owns one slot."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int = 4, capacity: int = 64) -> None:
+        self.layers, self.kvh, self.d = layers, kv_heads, head_dim
+        self.slots, self.cap = slots, capacity
+        self.k = [torch.zeros(slots, kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.v = [torch.zeros(slots, kv_heads, capacity, head_dim) for _ in range(layers)]
+        self._free = list(range(slots))[::-1]
+
+    def take(self) -> int:
+        if not self._free:
+            self._resize(self.slots * 2, self.cap)
+        return self._free.pop()
+
+    def give(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def ensure(self, length: int) -> None:
+        if length > self.cap:
+            cap = self.cap
+            while cap < length:
+                cap *= 2
+            self._resize(self.slots, cap)
+
+    def _resize(self, slots: int, cap: int) -> None:
+        for t in (self.k, self.v):
+            for i, old in enumerate(t):
+                new = torch.zeros(slots, self.kvh, cap, self.d)
+                new[:self.slots, :, :self.cap] = old
+                t[i] = new
+        self._free.extend(range(slots - 1, self.slots - 1, -1))
+        self.slots, self.cap = slots, cap
+
+
+class MoEModel:
+    def __init__(self, store_dir: Path, index: StoreIndex) -> None:
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.index = index
+        config = AutoConfig.from_pretrained(store_dir)
+        config._attn_implementation = "sdpa"
+        self.config = config
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.layers = model.model.layers
+        self.moe_layers = frozenset(index.moe_layers)
+        for i in self.moe_layers:  # the routed experts live in the store, not here
+            self.layers[i].mlp.experts = torch.nn.Identity()
+        state = load_file(str(Path(store_dir) / REST_FILE))
+        state = {k: v.float() for k, v in state.items()}
+        result = model.load_state_dict(state, strict=False, assign=True)
+        if result.unexpected_keys:
+            raise ValueError(f"unexpected weights in {REST_FILE}: {result.unexpected_keys[:5]}")
+        if getattr(config, "tie_word_embeddings", False):
+            model.lm_head.weight = model.model.embed_tokens.weight
+        # RoPE tables are non-persistent buffers: rebuild them on the CPU.
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+        meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+        if meta:
+            raise ValueError(f"weights missing from {REST_FILE}: {meta[:5]}")
+        self.model = model.eval()
+        self.hidden = int(config.hidden_size)
+        self.act = _act(config)
+        self.top_k = int(index.top_k)
+        attn = self.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.family = str(config.model_type)
+        self.clip_qkv = getattr(config, "clip_qkv", None)
+        self.windows = [_window(config, i) for i in range(len(self.layers))]
+        self.kv = KVPool(len(self.layers), self.kv_heads, self.head_dim)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def new_state(self) -> SeqState:
+        return SeqState(slot=self.kv.take())
+
+    def free_state(self, s: SeqState) -> None:
+        """The request is gone: its KV slot may be reused (by requests admitted later)."""
+        if s.slot >= 0:
+            self.kv.give(s.slot)
+            s.slot = -1
+
+    # -- steps --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def start(self, states: list[SeqState], ids: list[list[int]]) -> Batch:
+        """A new pass of each request (its next tokens `ids`): embedded rows at layer 0."""
+        flat = [t for seq in ids for t in seq]
+        pos = []
+        for s, seq in zip(states, ids):
+            s.n = len(seq)
+            pos.extend(range(s.past, s.past + s.n))
+        self.kv.ensure(max(s.past + s.n for s in states))
+        x = self.model.model.embed_tokens(torch.tensor(flat, dtype=torch.long))  # [N, H]
+        return Batch(0, list(states), [s.n for s in states], x, torch.tensor(pos, dtype=torch.long))
+
+    @torch.inference_mode()
+    def attend(self, b: Batch) -> bool:
+        """Attention of layer b.layer over all rows, then its router. True if routed
+        experts are needed (b.groups set); False for a dense layer (its MLP is done)."""
+        lay = self.layers[b.layer]
+        b.x = b.x + self._attention(b, lay.self_attn, lay.input_layernorm(b.x))
+        h = lay.post_attention_layernorm(b.x)  # [N, H]
+        if b.layer not in self.moe_layers:
+            b.x = b.x + lay.mlp(h)
+            return False
+        mlp = lay.mlp
+        _, weights, experts = mlp.gate(h)  # [N, k] each
+        b.h, b.wflat = h, weights.reshape(-1)
+        b.acc = torch.zeros_like(h)
+        b.shared = None
+        if hasattr(mlp, "shared_expert"):
+            b.shared = torch.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
+        # Which rows go to which expert, in plain Python (a few dozen entries per decode step).
+        owner = [i for i, n in enumerate(b.ns) for _ in range(n)]
+        k = experts.shape[1]
+        rows: dict[int, list[int]] = {}
+        flat: dict[int, list[int]] = {}
+        for f, e in enumerate(experts.reshape(-1).tolist()):
+            rows.setdefault(e, []).append(f // k)
+            flat.setdefault(e, []).append(f)
+        b.groups, b.done = {}, set()
+        b.left = [0] * len(b.states)
+        for e, r in rows.items():
+            who = sorted({owner[i] for i in r})
+            for i in who:
+                b.left[i] += 1
+            b.groups[e] = (torch.tensor(r, dtype=torch.long), torch.tensor(flat[e], dtype=torch.long), who)
+        return True
+
+    def _attention(self, b: Batch, attn, xn: torch.Tensor) -> torch.Tensor:
+        """Self-attention of every row of b (xn [N, H] normed input) -> [N, H]."""
+        N, d = xn.shape[0], self.head_dim
+        q, k, v = attn.q_proj(xn), attn.k_proj(xn), attn.v_proj(xn)  # [N, heads * d], [N, kvh * d] x2
+        if self.family == "olmoe":  # q/k norm over all heads, then optional clipping
+            q, k = attn.q_norm(q), attn.k_norm(k)
+            if self.clip_qkv is not None:
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q, k, v = q.view(N, -1, d), k.view(N, -1, d), v.view(N, -1, d)  # [N, heads|kvh, d]
+        if self.family != "olmoe" and hasattr(attn, "q_norm"):  # Qwen3-MoE: per head
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = self.model.model.rotary_emb(xn[None], b.pos[None])  # [1, N, d] each
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, d]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        pk, pv = self.kv.k[b.layer], self.kv.v[b.layer]  # [S, kvh, cap, d]
+        window = self.windows[b.layer]
+        if all(n == 1 for n in b.ns):  # decode: one padded SDPA over every request
+            slots = torch.tensor([s.slot for s in b.states], dtype=torch.long)
+            pos = b.pos  # [B] (one row per request)
+            pk[slots, :, pos] = k  # [B, kvh, d] written at each request's position
+            pv[slots, :, pos] = v
+            T = int(pos.max()) + 1
+            keys = pk[:, :, :T].index_select(0, slots)  # [B, kvh, T, d]
+            vals = pv[:, :, :T].index_select(0, slots)
+            mask = None
+            if len(b.ns) > 1 and int(pos.min()) + 1 < T or window is not None:
+                j = torch.arange(T)[None, :]
+                allowed = j <= pos[:, None]  # [B, T]
+                if window is not None:
+                    allowed &= j > pos[:, None] - window
+                mask = allowed[:, None, None, :]  # [B, 1, 1, T]
+            out = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=mask,
+                                                 scale=attn.scaling, enable_gqa=True)  # [B, heads, 1, d]
+            return attn.o_proj(out.reshape(N, -1))
+        outs = []
+        for s, start, n in zip(b.states, b.starts, b.ns):  # prefill (or mixed): request by request
+            p0 = s.past
+            pk[s.slot, :, p0:p0 + n] = k[start:start + n].transpose(0, 1)
+            pv[s.slot, :, p0:p0 + n] = v[start:start + n].transpose(0, 1)
+            T = p0 + n
+            keys, vals = pk[s.slot:s.slot + 1, :, :T], pv[s.slot:s.slot + 1, :, :T]  # [1, kvh, T, d]
+            qi = q[start:start + n].transpose(0, 1)[None]  # [1, heads, n, d]
+            mask = None
+            if n > 1 or window is not None:
+                qp = torch.arange(p0, p0 + n)[:, None]
+                j = torch.arange(T)[None, :]
+                allowed = j <= qp  # [n, T]
+                if window is not None:
+                    allowed &= j > qp - window
+                mask = allowed[None, None]
+            o = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=attn.scaling,
+                                               enable_gqa=True)  # [1, heads, n, d]
+            outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        return attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+
+    @torch.inference_mode()
+    def predict(self, layer: int, h: torch.Tensor) -> set[int]:
+        """The prediction baseline: `layer`'s router applied to another layer's
+        hidden state h [N, H] (the experts it guesses `layer` will pick)."""
+        _, _, experts = self.layers[layer].mlp.gate(h)
+        return set(experts.unique().tolist())
+
+    @torch.inference_mode()
+    def apply_expert(self, expert: int, views: tuple, parts: list[Batch]) -> None:
+        """One expert on every row routed to it across `parts` (batches at one layer):
+        one matmul set, the outputs scaled by their routing weights and added to each batch."""
+        gate_up, down = views  # [2I, H], [H, I]
+        picks = [b.groups[expert] for b in parts]
+        if len(parts) == 1:
+            rows = parts[0].h.index_select(0, picks[0][0])  # [m, H]
+        else:
+            rows = torch.cat([b.h.index_select(0, p[0]) for b, p in zip(parts, picks)])
+        gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)  # [m, I] each
+        out = F.linear(self.act(gate) * up, down)  # [m, H]
+        start = 0
+        for b, (r, f, who) in zip(parts, picks):
+            m = len(r)
+            b.acc.index_add_(0, r, out[start:start + m] * b.wflat.index_select(0, f)[:, None])
+            start += m
+            b.done.add(expert)
+            for i in who:
+                b.left[i] -= 1
+
+    @torch.inference_mode()
+    def advance(self, layer: int, parts: list[tuple[Batch, list[int]]]) -> Batch:
+        """Close the layer for requests parts[j][1] (indexes into batch parts[j][0]), all of
+        whose experts were applied: residual + (routed + shared); one Batch at `layer`."""
+        xs, poss, states, ns = [], [], [], []
+        for b, idx in parts:
+            out = b.acc if b.shared is None else b.acc + b.shared
+            if len(idx) == len(b.states):
+                xs.append(b.x + out)
+                poss.append(b.pos)
+            else:
+                starts = b.starts
+                rows = torch.tensor([r for i in idx for r in range(starts[i], starts[i] + b.ns[i])],
+                                    dtype=torch.long)
+                xs.append(b.x.index_select(0, rows) + out.index_select(0, rows))
+                poss.append(b.pos.index_select(0, rows))
+            states += [b.states[i] for i in idx]
+            ns += [b.ns[i] for i in idx]
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        pos = poss[0] if len(poss) == 1 else torch.cat(poss)
+        return Batch(layer, states, ns, x, pos)
+
+    @torch.inference_mode()
+    def head(self, b: Batch, want: list[int]) -> torch.Tensor:
+        """Close the pass of every request in b (its tokens join its past); logits
+        [len(want), vocab] of the last position of the requests `want` (indexes into b)."""
+        for s in b.states:
+            s.past += s.n
+        if not want:
+            return torch.empty(0)
+        starts = b.starts
+        last = torch.tensor([starts[i] + b.ns[i] - 1 for i in want], dtype=torch.long)
+        x = self.model.model.norm(b.x.index_select(0, last))
+        return self.model.lm_head(x)  # [len(want), vocab]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _window(config, layer: int) -> int | None:
+    """Sliding-window size of `layer`'s attention, as transformers masks it (None: full)."""
+    if config.model_type == "olmoe":
+        return None
+    types = getattr(config, "layer_types", None)
+    if types:
+        return getattr(config, "sliding_window", None) if types[layer] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
+
+
+def _act(config):
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[getattr(config, "hidden_act", "silu")]
+
+
+def read_config(store_dir: Path) -> dict:
+    return json.loads((Path(store_dir) / "config.json").read_text(encoding="utf-8"))

@@ -1,0 +1,121 @@
+"""The OS-paging baseline: the dense model through mmap under a cgroup memory cap
+(what llama.cpp + mmap does when a model is bigger than the RAM it may use).
+
+The child process is placed in a fresh cgroup-v1 memory group before it
+imports anything, so all its memory (anonymous and page cache) is charged
+there. It builds the mmap-backed model, drops the weights from the page cache
+(posix_fadvise DONTNEED: a cold start), reports its own usage, and waits; the
+parent sets the limit to that usage + the allowed weight bytes and lets it
+run. Under the limit the kernel evicts weight pages and faults them in again
+on every token that needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+CGROOT = Path("/sys/fs/cgroup/memory")
+
+
+def cgroups_available() -> bool:
+    return (CGROOT / "cgroup.procs").exists() and os.access(CGROOT, os.W_OK)
+
+
+def drop_page_cache(files) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_cap_bytes: int,
+                      slack_bytes: int = 16 * 2**20, timeout: float = 900) -> dict:
+    """Run the child under a cap of (its setup usage + slack + weight_cap_bytes); returns its figures."""
+    group = CGROOT / f"flotilla-sparse-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        procs = str(group / "cgroup.procs")
+
+        def enter() -> None:  # in the child, before exec: charge everything to the group
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep
+                   + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+        child = subprocess.Popen([sys.executable, "-m", "engine.sparse.baseline", str(model_dir),
+                                  json.dumps(prompt), str(tokens)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, preexec_fn=enter, env=env)
+        try:
+            ready = child.stdout.readline().split()
+            if not ready or ready[0] != "READY":
+                raise RuntimeError(f"mmap baseline child failed to start: {ready}")
+            usage = int((group / "memory.usage_in_bytes").read_text())
+            limit = usage + slack_bytes + weight_cap_bytes
+            (group / "memory.limit_in_bytes").write_text(str(limit))
+            child.stdin.write("GO\n")
+            child.stdin.flush()
+            out, _ = child.communicate(timeout=timeout)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if child.returncode != 0:
+            raise RuntimeError(f"mmap baseline child exited with {child.returncode} (OOM under the cap?)")
+        result = json.loads(out.strip().splitlines()[-1])
+        result.update(cgroup_limit_bytes=limit, setup_usage_bytes=usage,
+                      max_usage_bytes=int((group / "memory.max_usage_in_bytes").read_text()))
+        return result
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def _child(model_dir: str, prompt: str, tokens: str) -> None:
+    import torch
+
+    from engine.runtime.torch_backend import TorchStream
+    from engine.sparse.weights import load_dense_mmap, safetensors_files
+
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    model = load_dense_mmap(Path(model_dir))
+    drop_page_cache(safetensors_files(Path(model_dir)))
+    print("READY", flush=True)
+    sys.stdin.readline()
+    ids, n = json.loads(prompt), int(tokens)
+    stream = TorchStream(model)
+    t0 = time.perf_counter()
+    logits = stream.prefill(ids)
+    t1 = time.perf_counter()
+    io_prefill = _read_bytes()
+    out, times = [], []
+    for _ in range(n):
+        tok = int(logits.argmax())
+        out.append(tok)
+        t = time.perf_counter()
+        logits = stream.decode(tok)
+        times.append(time.perf_counter() - t)
+    print(json.dumps({"prefill_s": t1 - t0, "decode_s": times, "tokens": out,
+                      "decode_read_bytes": _read_bytes() - io_prefill}), flush=True)
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        io = dict(line.split(": ") for line in f.read().splitlines())
+    return int(io.get("read_bytes", 0))
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:4])

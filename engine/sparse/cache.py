@@ -1,0 +1,149 @@
+"""The RAM neuron cache: one slab of bundle rows shared by all FFN layers.
+
+Why one shared slab: the budget is a single number of bytes, and layers with
+larger active sets should get more of it; LRU across layers does that.
+
+Why an anonymous mmap reserved once at full size: the budget moves while the
+engine runs. Growing only widens the view (pages are touched, so counted in
+RSS, only when filled); shrinking compacts the kept rows to the front and
+gives the tail back to the OS with madvise(DONTNEED), so RSS follows the
+budget at once and never needs a second copy of the cache.
+
+Not thread safe on purpose: only the compute thread touches it (prefetched
+rows are inserted when the layer that needs them is about to run).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
+
+class BudgetError(ValueError):
+    """A cache budget below the minimum (one layer's active set)."""
+
+
+class NeuronCache:
+    def __init__(self, num_layers: int, neurons: int, row_shape: tuple[int, int],
+                 budget_bytes: int, min_bytes: int) -> None:
+        self.num_layers, self.neurons, self.row_shape = num_layers, neurons, row_shape
+        self.row_bytes = int(np.prod(row_shape)) * 4  # one bundle in RAM (no padding)
+        self.min_bytes = int(min_bytes)
+        self.max_rows = num_layers * neurons  # more than this is never useful
+        self._mm = mmap.mmap(-1, self.max_rows * self.row_bytes)  # virtual reservation only
+        self._all = np.frombuffer(self._mm, dtype=np.float32).reshape((self.max_rows,) + row_shape)
+        self.slot_of = np.full((num_layers, neurons), -1, dtype=np.int32)  # [L, N] -> slot or -1
+        self.key_of = np.full(self.max_rows, -1, dtype=np.int64)  # slot -> layer * N + neuron, or -1
+        self.stamp = np.zeros(self.max_rows, dtype=np.int64)  # slot -> last tick used (LRU)
+        self.tick = 1  # advanced once per (token, layer) step by the caller
+        self.capacity = 0  # rows usable now
+        self.hits = 0  # needed neurons found resident
+        self.misses = 0  # needed neurons not resident
+        self.resize(budget_bytes)
+
+    # -- budget -------------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        return self.capacity * self.row_bytes
+
+    @property
+    def used_rows(self) -> int:
+        return int((self.key_of[:self.capacity] >= 0).sum())
+
+    def check_budget(self, budget_bytes: int) -> None:
+        if budget_bytes < self.min_bytes:
+            raise BudgetError(f"a neuron cache budget of {budget_bytes / 2**20:.1f} MiB cannot hold one layer's "
+                              f"active set; the minimum is {self.min_bytes / 2**20:.1f} MiB "
+                              f"({self.min_bytes} bytes)")
+
+    def resize(self, budget_bytes: int) -> None:
+        """Grow or shrink to `budget_bytes` (kept rows stay valid: output never changes)."""
+        self.check_budget(budget_bytes)
+        new = min(self.max_rows, int(budget_bytes) // self.row_bytes)
+        old = self.capacity
+        if new < old:
+            self._shrink(new)
+        self.capacity = new
+
+    def _shrink(self, new: int) -> None:
+        old = self.capacity
+        used = np.nonzero(self.key_of[:old] >= 0)[0]
+        if len(used) > new:  # drop the least recently used rows
+            order = np.argsort(self.stamp[used], kind="stable")
+            drop = used[order[:len(used) - new]]
+            self._forget(drop)
+        # move rows living at slot >= new into free slots < new
+        src = np.nonzero(self.key_of[new:old] >= 0)[0] + new
+        if len(src):
+            free = np.nonzero(self.key_of[:new] < 0)[0][:len(src)]
+            self._all[free] = self._all[src]
+            keys = self.key_of[src]
+            self.key_of[free], self.stamp[free] = keys, self.stamp[src]
+            self.slot_of[keys // self.neurons, keys % self.neurons] = free
+            self.key_of[src] = -1
+        start = -(-new * self.row_bytes // PAGE) * PAGE  # give whole pages past the new end back
+        end = old * self.row_bytes
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)  # rows past `old` are unused too
+
+    def _forget(self, slots: np.ndarray) -> None:
+        keys = self.key_of[slots]
+        self.slot_of[keys // self.neurons, keys % self.neurons] = -1
+        self.key_of[slots] = -1
+
+    # -- lookups --------------------------------------------------------------------------
+    def lookup(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Slots of ids (-1 where absent); marks the present ones used now."""
+        slots = self.slot_of[layer, ids]
+        present = slots[slots >= 0]
+        self.stamp[present] = self.tick
+        self.hits += len(present)
+        self.misses += len(ids) - len(present)
+        return slots
+
+    def missing(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """The ids that are not resident (no stamping: for prefetch decisions)."""
+        return ids[self.slot_of[layer, ids] < 0]
+
+    def rows(self, slots: np.ndarray) -> np.ndarray:
+        return self._all[slots]  # fancy indexing: a copy, [k, P, h]
+
+    def insert(self, layer: int, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Store rows [k, P, h] of ids; returns their slots (-1 for those that did not
+        fit: rows used at the current tick are never evicted). Ids already resident
+        are skipped."""
+        slots = np.full(len(ids), -1, dtype=np.int32)
+        new = self.slot_of[layer, ids] < 0
+        slots[~new] = self.slot_of[layer, ids[~new]]
+        want = int(new.sum())
+        if want == 0 or self.capacity == 0:
+            return slots
+        cand = np.nonzero(self.stamp[:self.capacity] < self.tick)[0]  # never evict what this step uses
+        if len(cand) > want:
+            # free slots have key -1 and an old stamp; prefer them, then the LRU ones
+            pri = np.where(self.key_of[cand] < 0, -1, self.stamp[cand])
+            cand = cand[np.argpartition(pri, want - 1)[:want]]
+        take = cand[:want]
+        victims = take[self.key_of[take] >= 0]
+        if len(victims):
+            self._forget(victims)
+        idx = np.nonzero(new)[0][:len(take)]
+        self._all[take] = rows[idx]
+        keys = layer * self.neurons + ids[idx]
+        self.key_of[take], self.stamp[take] = keys, self.tick
+        self.slot_of[layer, ids[idx]] = take
+        slots[idx] = take
+        return slots
+
+    def clear(self) -> None:
+        self._forget(np.nonzero(self.key_of[:self.capacity] >= 0)[0])
+
+    def close(self) -> None:
+        self._all = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view still lives somewhere; the GC frees it later
+            pass

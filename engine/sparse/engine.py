@@ -1,0 +1,195 @@
+"""SparseEngine: the Engine interface over the sparse model.
+
+The scheduler, chat templating, sampling, detokenizing and stop strings are
+LocalEngine's (engine/serve/local.py); only the backend differs: a
+SparseBackend whose streams run transformers' decoder with SparseMLPs (the
+torch backend's stream class, reused). Requests run one at a time by
+default: the neuron cache and the previous-token sets are shared, and
+interleaving requests would destroy the temporal locality the cache lives on.
+
+    engine = SparseEngine.from_spec("demo", SparseConfig(cache_budget_bytes=...))
+    engine.set_cache_budget(bytes)   # any thread, while generating; applied between layers
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.runtime.backend import Progress
+from engine.runtime.detokenize import eos_token_ids
+from engine.runtime.torch_backend import TorchStream
+from engine.serve.interface import Engine, EngineError, EngineInfo
+from engine.serve.local import LocalEngine, context_from_config
+from engine.sparse.cache import BudgetError
+from engine.sparse.calibrate import CalibConfig, ensure_calibration, work_dir
+from engine.sparse.memory import MemoryPolicy, available_ram
+from engine.sparse.model import SparseMLP, SparseRuntime, SparseRuntimeConfig
+from engine.sparse.predictor import PredictorConfig
+from engine.sparse.store import BundleStore, StoreConfig, build_store
+from engine.sparse.weights import MappedWeights, build_skeleton, ffn_layout, put_weights
+
+
+@dataclass
+class SparseConfig:
+    mode: str = "predicted"  # "predicted" (stream gate+up+down, predictor picks) or "exact" (gate resident)
+    sparsity: float = 0.8  # SwiGLU target share of zeroed neurons (ReLU models use natural zeros); 0 = dense
+    prefetch: str = "lowrank"  # lowrank | temporal | both | none (none = on-demand baseline)
+    cache_budget_bytes: int | None = None  # neuron cache RAM (None: half of free RAM, at most all neurons)
+    rank: int = 64  # low-rank predictor width
+    text: Path | None = None  # calibration text (None = assets/demo/corpus.txt)
+    store: StoreConfig = field(default_factory=StoreConfig)  # I/O settings
+    memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # free-RAM adaptation
+    warm: bool = False  # fill the cache with every neuron it can hold at start (all-resident runs)
+
+    @classmethod
+    def from_options(cls, budget: int | None, extra: dict[str, Any]) -> "SparseConfig":
+        known = {k: v for k, v in extra.items() if k in ("mode", "sparsity", "prefetch", "rank", "text", "warm")}
+        unknown = set(extra) - set(known)
+        if unknown:
+            raise EngineError(f"unknown sparse engine option(s): {', '.join(sorted(unknown))}")
+        return cls(cache_budget_bytes=budget, **known)
+
+
+class SparseBackend:
+    """ModelBackend: the skeleton with resident attention/embeddings and SparseMLPs."""
+
+    def __init__(self, model_dir: Path, cfg: SparseConfig, progress: Progress | None = None) -> None:
+        report = progress or (lambda _m, _f: None)
+        self.model_dir, self.device, self.cfg = Path(model_dir), "CPU", cfg
+        self.layout = layout = ffn_layout(model_dir)
+        store_kind = "exact" if cfg.mode == "exact" else "full"
+        store_dir = work_dir(model_dir) / f"store-{store_kind}"
+        weights = MappedWeights(model_dir)
+        if not (store_dir / "meta.json").exists():
+            build_store(weights, layout, store_dir, store_kind, report)
+        self.calib = ensure_calibration(model_dir, CalibConfig(
+            sparsity=cfg.sparsity, text=cfg.text, predictor=PredictorConfig(rank=cfg.rank)), report)
+        store = BundleStore(store_dir, cfg.store)
+        report("loading attention and embeddings", 0.9)
+        self.model = build_skeleton(model_dir)
+        self.resident_bytes = put_weights(self.model, weights, layout, resident=True, with_ffn=False)
+        gates = None
+        if cfg.mode == "exact":
+            gates = [weights.torch(layout.key(l, "gate")).clone() for l in range(layout.num_layers)]
+        del weights  # the mmap of the checkpoint is not needed any more
+        row_bytes = store.bundle_floats * 4
+        per_layer = self.calib.max_active if cfg.mode == "exact" else [
+            max(a, p) for a, p in zip(self.calib.max_active, self.calib.max_predicted)]
+        self.min_budget = max(per_layer) * row_bytes  # one layer's (largest) active set
+        all_rows = layout.num_layers * layout.neurons * row_bytes
+        budget = cfg.cache_budget_bytes
+        if budget is None:
+            budget = max(self.min_budget, min(all_rows, available_ram() // 2))
+        if budget < self.min_budget:
+            store.close()
+            raise BudgetError(f"a neuron cache budget of {budget / 2**20:.1f} MiB cannot hold one layer's active "
+                              f"set; the minimum for this model and mode is {self.min_budget / 2**20:.1f} MiB "
+                              f"({self.min_budget} bytes)")
+        self.rt = SparseRuntime(layout, store, self.calib, budget, self.min_budget,
+                                SparseRuntimeConfig(cfg.mode, cfg.prefetch, cfg.memory), gates)
+        for l in range(layout.num_layers):
+            self.model.get_submodule(f"{layout.prefix}.{l}").mlp = SparseMLP(self.rt, l)
+        if cfg.warm:
+            self.warm()
+        report("sparse model ready", 1.0)
+
+    def warm(self) -> None:
+        """Read as many neurons as fit, spread evenly over layers (all-resident runs)."""
+        import numpy as np
+
+        per = min(self.layout.neurons, self.rt.cache.capacity // self.layout.num_layers)
+        for l in range(self.layout.num_layers):
+            ids = np.arange(per)
+            self.rt.cache.tick += 1
+            self.rt.cache.insert(l, ids, self.rt.store.read(l, ids))
+
+    def new_stream(self) -> TorchStream:
+        self.rt.forget_sequence()
+        return TorchStream(self.model)
+
+    def fixed_bytes(self) -> int:
+        """FFN-side RAM besides the cache: predictors, and the gates in exact mode."""
+        gates = self.layout.num_layers * self.layout.neurons * self.layout.hidden * 4 if self.cfg.mode == "exact" else 0
+        return self.calib.predictor_bytes() + gates
+
+    def close(self) -> None:
+        if self.rt is not None:
+            self.rt.close()
+        self.rt = None
+        self.model = None
+
+
+class SparseEngine(LocalEngine):
+    """LocalEngine's scheduler over a SparseBackend."""
+
+    def __init__(self, model_path: Path, model_id: str, cfg: SparseConfig = SparseConfig(),
+                 max_concurrent: int = 1, progress: Progress | None = None, prefill_chunk: int = 512) -> None:
+        Engine.__init__(self)  # LocalEngine.__init__ would load its own backend
+        from transformers import AutoTokenizer
+
+        torch.set_grad_enabled(False)
+        self.model_id = model_id
+        self.backend = SparseBackend(Path(model_path), cfg, progress)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except Exception as e:
+            self.backend.close()
+            raise EngineError(f"cannot load the tokenizer of {model_path}: {e}") from e
+        self.context_length = context_from_config(Path(model_path))
+        self.eos_ids = eos_token_ids(Path(model_path), self.tokenizer)
+        self.max_concurrent = max_concurrent
+        self.prefill_chunk = prefill_chunk
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"flotilla-sparse-{model_id}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_spec(cls, spec: str, cfg: SparseConfig = SparseConfig(), progress: Progress | None = None,
+                  **kw: Any) -> "SparseEngine":
+        from engine.models import resolve_model
+
+        resolved = resolve_model(spec, progress)
+        return cls(Path(resolved.path), resolved.model_id, cfg, progress=progress, **kw)
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.model_id, "sparse", "CPU", self.context_length)
+
+    # -- sparse-only API ----------------------------------------------------------------
+    def set_cache_budget(self, nbytes: int) -> None:
+        """Move the neuron cache budget while running (raises EngineError below the minimum)."""
+        try:
+            self.backend.rt.set_budget(int(nbytes))
+        except BudgetError as e:
+            raise EngineError(str(e)) from None
+
+    @property
+    def runtime(self) -> SparseRuntime:
+        return self.backend.rt
+
+    def stats(self) -> dict:
+        rt = self.backend.rt
+        c = rt.cache
+        return {"cache_budget_bytes": c.budget_bytes, "cache_used_bytes": c.used_rows * c.row_bytes,
+                "min_budget_bytes": self.backend.min_budget, "hits": c.hits, "misses": c.misses,
+                "io": rt.store.stats.snapshot(), "prefetch": rt.prefetcher.stats.snapshot()}
+
+
+def open_sparse(spec: str, options, progress: Progress | None = None) -> Engine:
+    """Factory opener: `--engine sparse` (EngineOptions.cache_budget_bytes, extra = SparseConfig fields)."""
+    cfg = SparseConfig.from_options(options.cache_budget_bytes, dict(options.extra or {}))
+    try:
+        return SparseEngine.from_spec(spec, cfg, progress=progress)
+    except BudgetError as e:
+        raise EngineError(str(e)) from None
+
+
+__all__ = ["SparseBackend", "SparseConfig", "SparseEngine", "open_sparse"]

@@ -1,0 +1,87 @@
+"""Expert cache: the budget floor, eviction by frequency and recency, pins,
+and the engine's wiring (factory kind, EngineOptions.cache_budget_bytes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.moe.cache import ExpertCache, min_budget_bytes
+from engine.moe.store import ExpertStore
+from engine.serve.interface import EngineError
+
+
+def test_budget_below_one_layers_top_k_is_refused(moe_model):
+    _path, store_dir = moe_model("qwen2_moe")
+    index = ExpertStore(store_dir).index
+    need = min_budget_bytes(index)
+    assert need == index.top_k * index.blob_bytes
+    with pytest.raises(ValueError) as err:
+        ExpertCache(index, need - 1)
+    msg = str(err.value)
+    assert "minimum" in msg and f"{need / 1e6:.1f} MB" in msg
+    ExpertCache(index, need)  # exactly the floor works
+
+
+def test_factory_refuses_a_small_budget_with_the_minimum(moe_model):
+    from engine.serve.factory import ENGINE_KINDS, EngineOptions, open_engine
+
+    assert "moe" in ENGINE_KINDS
+    _path, store_dir = moe_model("qwen2_moe")
+    need = min_budget_bytes(ExpertStore(store_dir).index)
+    with pytest.raises(EngineError, match=r"minimum is [0-9.]+ MB"):
+        open_engine("demo-moe", kind="moe", options=EngineOptions(cache_budget_bytes=need // 2))
+
+
+def test_factory_opens_and_answers(moe_model):
+    from engine.protocol.messages import GenerateRequest, SamplingParams
+    from engine.serve.factory import EngineOptions, open_engine
+
+    moe_model("qwen2_moe")
+    with open_engine("demo-moe", kind="moe", options=EngineOptions(cache_budget_bytes=8 * 2**20,
+                                                                  extra={"scheduler": "bevy"})) as eng:
+        assert eng.info.engine == "moe" and eng.info.context_length > 0
+        events = eng.generate(GenerateRequest("a", prompt="Hello", sampling=SamplingParams(max_tokens=3)))
+        assert events[-1].finish_reason in ("length", "stop") and events[-1].usage.completion_tokens >= 1
+    with pytest.raises(EngineError, match="unknown moe engine setting"):
+        open_engine("demo-moe", kind="moe", options=EngineOptions(extra={"shceduler": "bevy"}))
+
+
+def test_eviction_keeps_frequent_experts_and_respects_pins(moe_model):
+    _path, store_dir = moe_model("mixtral")
+    store = ExpertStore(store_dir)
+    cache = ExpertCache(store.index, 3 * store.index.blob_bytes)
+    assert cache.capacity == 3
+    hot, warm, cold, new = (0, 0), (0, 1), (0, 2), (0, 3)
+    for _ in range(5):
+        cache.demand(hot)
+    for _ in range(2):
+        cache.demand(warm)
+    cache.demand(cold)
+    cache.preload(store, [hot, warm, cold])
+    assert all(cache.resident(k) for k in (hot, warm, cold))
+    slot = cache.reserve(timeout=0)  # evicts the least demanded one
+    assert not cache.resident(cold) and cache.resident(hot) and cache.resident(warm)
+    store.read_into(new, cache.buffer(slot))
+    cache.commit(slot, new, pins=1)  # held for its waiters
+    assert cache.pin(hot) is not None  # hot is in use too
+    slot = cache.reserve(timeout=0)  # only warm may go
+    assert not cache.resident(warm) and cache.resident(hot) and cache.resident(new)
+    assert cache.reserve(timeout=0.01) is None  # hot, new pinned and one slot filling: no room
+    cache.release(slot)
+    assert cache.reserve(timeout=0.01) == slot  # a released slot is free again
+
+
+def test_cancel_mid_generation(moe_model):
+    from engine.moe.engine import MoEConfig, MoEEngine
+    from engine.protocol.messages import GenerateRequest, SamplingParams
+
+    _path, store_dir = moe_model("mixtral")
+    index = ExpertStore(store_dir).index
+    with MoEEngine(store_dir, "t", MoEConfig(cache_budget_bytes=2 * index.blob_bytes)) as eng:
+        rid = eng.submit(GenerateRequest("c", prompt="Once", sampling=SamplingParams(max_tokens=2000)))
+        other = eng.submit(GenerateRequest("d", prompt="Twice", sampling=SamplingParams(max_tokens=3)))
+        stream = eng.stream(rid, timeout=30)
+        next(stream)
+        eng.cancel(rid)
+        assert list(stream)[-1].finish_reason == "cancelled"
+        assert list(eng.stream(other, timeout=30))[-1].finish_reason in ("length", "stop")

@@ -1,0 +1,17 @@
+"""Fixtures of the sparse-engine tests: a tiny ReLU-fied Llama built from a recipe."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def relu_model(flotilla_cache):
+    from engine.models.demo import DemoRecipe, ensure_recipe
+
+    return ensure_recipe(DemoRecipe(
+        "sparse-relu-llama", "LlamaConfig",
+        dict(initializer_range=0.1, max_position_embeddings=4096, tie_word_embeddings=False,
+             hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5, hidden_act="relu"),
+        seed=21, description="ReLU-fied Llama for sparse tests (random weights)", tokenizer_of="demo"))

@@ -1,0 +1,106 @@
+"""The sparse engine: exact at threshold 0, the factory, budget changes mid-generation,
+a too-small budget refused, predictors and overlap measured."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from engine.protocol.messages import GenerateRequest, SamplingParams
+from engine.runtime.chat import prompt_ids
+from engine.serve.factory import EngineOptions, open_engine
+from engine.serve.interface import EngineError
+from engine.sparse.engine import SparseConfig, SparseEngine
+from engine_helpers import collect, reference_greedy
+
+N = 24
+PROMPT = "Once upon a time there was a small robot"
+
+
+def greedy(rid, n=N):
+    return GenerateRequest(rid, prompt=PROMPT, sampling=SamplingParams(max_tokens=n))
+
+
+@pytest.mark.parametrize("spec,mode", [("demo", "exact"), ("demo", "predicted"), ("demo-qwen3", "exact")])
+def test_threshold_zero_equals_dense_transformers(demo_dir, spec, mode):
+    path = demo_dir(spec)
+    budget = 400_000 if mode == "exact" else 600_000  # well below the FFN size: streaming happens
+    with SparseEngine(path, spec, SparseConfig(mode=mode, sparsity=0.0, cache_budget_bytes=budget)) as eng:
+        ref = reference_greedy(path, prompt_ids(eng.tokenizer, PROMPT), N)
+        out, _, final = collect(eng.generate(greedy("a")))
+        assert out == ref
+        s = eng.stats()
+        assert s["io"]["bytes_read"] > 0 and s["misses"] > 0
+
+
+def test_relu_model_uses_natural_zeros_and_matches_dense(relu_model):
+    # exact mode on a ReLU model: only neurons with relu(g) > 0 are read, output is the dense one
+    with SparseEngine(relu_model, "relu", SparseConfig(mode="exact", cache_budget_bytes=300_000)) as eng:
+        calib = eng.backend.calib
+        assert calib.thresholds == [0.0] * 4 and 0.3 < calib.sparsity < 0.7
+        ref = reference_greedy(relu_model, prompt_ids(eng.tokenizer, PROMPT), N)
+        out, _, _ = collect(eng.generate(greedy("r")))
+        assert out == ref
+        s = eng.stats()["prefetch"]
+        assert s["needed"] < 0.75 * 4 * 384 * (len(prompt_ids(eng.tokenizer, PROMPT)) + N)
+
+
+def test_factory_opens_the_sparse_engine(demo_dir):
+    demo_dir("demo")
+    eng = open_engine("demo", "sparse", EngineOptions(cache_budget_bytes=3_000_000,
+                                                      extra={"mode": "exact", "sparsity": 0.0}))
+    try:
+        assert eng.info.engine == "sparse"
+        _, text, final = collect(eng.generate(greedy("f", 4)))
+        assert final.finish_reason == "length"
+    finally:
+        eng.close()
+
+
+def test_budget_too_small_is_refused_with_the_minimum(demo_dir):
+    path = demo_dir("demo")
+    with pytest.raises(EngineError, match=r"minimum for this model and mode is .* \((\d+) bytes\)"):
+        open_engine("demo", "sparse", EngineOptions(cache_budget_bytes=10_000,
+                                                    extra={"mode": "exact", "sparsity": 0.0}))
+    with SparseEngine(path, "demo", SparseConfig(mode="exact", sparsity=0.0, cache_budget_bytes=2_000_000)) as eng:
+        minimum = eng.backend.min_budget
+        with pytest.raises(EngineError, match=f"minimum is .*{minimum} bytes"):
+            eng.set_cache_budget(minimum - 1)
+
+
+def test_budget_moves_mid_generation_output_identical(demo_dir):
+    path = demo_dir("demo")
+    cfg = SparseConfig(mode="exact", sparsity=0.5, cache_budget_bytes=2_500_000)
+    with SparseEngine(path, "demo", cfg) as eng:
+        calm, _, _ = collect(eng.generate(greedy("calm", 40)))
+        minimum = eng.backend.min_budget
+        seen = []
+        rid = eng.submit(greedy("moving", 40))
+        ids = []
+        for i, ev in enumerate(eng.stream(rid)):
+            ids += ev.token_ids
+            c = eng.runtime.cache
+            seen.append((c.budget_bytes, c.used_rows * c.row_bytes))
+            if i == 10:
+                eng.set_cache_budget(minimum)  # down to the minimum
+            if i == 25:
+                eng.set_cache_budget(2_500_000)  # and back up
+        assert ids == calm
+        low = [u for b, u in seen[12:25]]
+        assert max(low) <= minimum  # the cache's bytes followed the budget down
+        assert seen[-1][0] > 2_000_000
+
+
+def test_predictor_and_overlap_are_measured(demo_dir):
+    from engine.sparse.calibrate import CalibConfig, ensure_calibration, summary
+    from engine.sparse.profile import overlap_profile
+
+    path = demo_dir("demo")
+    s = summary(ensure_calibration(path, CalibConfig(sparsity=0.8)))
+    for k in ("own_recall", "ahead_recall", "temporal_recall", "own_precision", "temporal_precision"):
+        assert 0.0 < s[k] <= 1.0
+    assert s["own_recall"] > s["temporal_recall"]  # random weights: little temporal locality
+    prof = overlap_profile(path, 0.8)
+    assert len(prof["layers"]) == 8
+    for row in prof["layers"]:
+        assert 0.0 < row["jaccard"] < 1.0 and abs(row["sparsity"] - 0.8) < 0.05
