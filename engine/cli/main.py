@@ -19,7 +19,7 @@ EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import agent_cmd, bench_cmd, chat_cmd, models_cmd, serve_cmd, sparse_cmd
+    from engine.cli import agent_cmd, bench_cmd, chat_cmd, models_cmd, pipeline_cmd, serve_cmd, sparse_cmd
 
     parser = argparse.ArgumentParser(
         prog="flotilla",
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_cmd.add_parser(sub)
     models_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
+    pipeline_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     agent_cmd.add_parser(sub)
     sparse_cmd.add_parser(sub)

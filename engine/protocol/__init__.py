@@ -41,6 +41,7 @@ from engine.protocol.version import PROTOCOL_VERSION
 # Every message family registers itself with the codec on import; importing
 # them here means any peer that imports engine.protocol can decode them all.
 from engine.protocol import control as _control  # noqa: E402,F401  (fleet control plane)
+from engine.protocol import pipeline as _pipeline  # noqa: E402,F401  (pipeline data plane)
 
 __all__ = [
     "DTYPES",

@@ -1,0 +1,100 @@
+"""`flotilla pipeline`: run a model as a pipeline of local stage processes and chat.
+
+    flotilla pipeline --model demo --stages 3 -p "Hello" --exact --max-tokens 64
+    flotilla pipeline --model demo --split 0:3,3:6,6:8      # REPL without -p
+
+Plans (an even split over equal local peers, or --split), exports/caches the
+shards, starts one worker process per stage on loopback, chats through them
+like `flotilla chat` (tok/s after each answer) and stops every process on
+exit, on Ctrl-C and on errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from engine.cli.chat_cmd import _answer, add_sampling_arguments, sampling_from_args
+from engine.cli.errors import UserError
+from engine.cli.progress import TerminalProgress
+from engine.protocol.messages import ChatMessage
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pipeline", help="run a model as a pipeline of local stage processes and chat with it")
+    p.add_argument("--model", "-m", default="demo",
+                   help="demo id, local HF folder or hub id (default: demo)")
+    p.add_argument("--stages", type=int, default=2, help="stage processes, layers split evenly (default 2)")
+    p.add_argument("--split", help="explicit layer ranges in ring order, e.g. 0:3,3:6,6:8 (overrides --stages)")
+    p.add_argument("--exact", action="store_true",
+                   help="f32 math and KV cache on every stage (matches transformers exactly; slower)")
+    p.add_argument("--device", default="CPU", help="OpenVINO device of every stage (default: CPU)")
+    p.add_argument("--weights", choices=("f32", "fp16"), default="f32", help="shard weight precision (default f32)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OpenVINO inference threads per stage (default: the plugin's choice)")
+    p.add_argument("--max-streams", type=int, default=8, help="streams in the ring at once (default 8)")
+    p.add_argument("-p", "--prompt", help="answer this one prompt and exit (default: an interactive chat)")
+    p.add_argument("--system", help="a system prompt")
+    add_sampling_arguments(p)
+    p.set_defaults(func=cmd_pipeline)
+
+
+def fleet_config_from_args(args: argparse.Namespace):
+    from engine.pipeline.plan import PlanError
+    from engine.pipeline.runner import FleetConfig, parse_split
+
+    try:
+        split = parse_split(args.split) if args.split else None
+    except PlanError as e:
+        raise UserError(str(e)) from None
+    if args.stages < 1:
+        raise UserError("--stages must be at least 1")
+    return FleetConfig(model=args.model, stages=args.stages, split=split, exact=args.exact, device=args.device,
+                       weights=args.weights, threads=args.threads, max_concurrent=args.max_streams)
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from engine.pipeline.plan import PlanError
+    from engine.pipeline.runner import launch_pipeline
+
+    sampling = sampling_from_args(args)  # validate before the (slow) start
+    cfg = fleet_config_from_args(args)
+    # SIGTERM becomes SystemExit so the finally below stops the stage processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    progress = TerminalProgress()
+    try:
+        engine = launch_pipeline(cfg, progress)
+    except PlanError as e:
+        raise UserError(str(e)) from None
+    finally:
+        progress.close()
+    try:
+        for link in engine.stages:
+            print(f"  {link.label} at {link.endpoint}", file=sys.stderr)
+        history: list[ChatMessage] = []
+        if args.system:
+            history.append(ChatMessage("system", args.system))
+        if args.prompt is not None:
+            _answer(engine, history, args.prompt, sampling)
+            return 0
+        interactive = sys.stdin.isatty()
+        if interactive:
+            print(f"Chatting with {engine.info.model_id} through {len(engine.stages)} stages. "
+                  "/reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            if text == "/reset":
+                history = history[:1] if args.system else []
+                continue
+            _answer(engine, history, text, sampling)
+    finally:
+        engine.close()

@@ -1,0 +1,545 @@
+"""PipelineEngine: the Engine interface over a ring of shard workers.
+
+One coordinator thread owns every socket. Each turn it admits requests (up to
+max_concurrent streams), sends the next step of every stream that has none in
+the ring, then waits for results. A stream has at most one step in flight (a
+token needs the previous one), so N streams keep up to N steps in the ring at
+once: while stage 2 works for stream A, stage 1 works for stream B (request
+interleaving; each stream has its own InferRequest and KV state on every
+stage). Sending in admission order and one step per stream per turn keeps the
+streams fair.
+
+Per stream the coordinator keeps a Generation (engine/runtime/generation.py):
+the sampler, the detokenizer with stop strings, timings and usage, exactly as
+LocalEngine does. Greedy requests get the token id from the last stage;
+requests that sample (temperature > 0 or a repetition penalty) get the
+last-position logits row and sample here with their own RNG.
+
+Failures: an ErrorReply about a stream ends that stream with an error event.
+A stage process that exits (polled every liveness_interval_s) or stops
+answering pings (ping_timeout_s) breaks the ring: every request ends with an
+error event naming the stage, and new submits are refused with that reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import zmq
+
+from engine.protocol import ErrorReply, ProtocolError, decode_frames, encode_frames
+from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
+from engine.protocol.pipeline import (
+    StageConfigure,
+    StageFree,
+    StagePing,
+    StagePong,
+    StageResult,
+    StageStep,
+)
+from engine.runtime.chat import chat_ids, prompt_ids
+from engine.runtime.detokenize import eos_token_ids
+from engine.runtime.generation import Generation, finished
+from engine.serve.interface import Engine, EngineError, EngineInfo
+
+log = logging.getLogger(__name__)
+
+COORD_IDENTITY = b"coord"  # workers answer senders whose identity starts with this directly
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    max_concurrent: int = 8  # streams in the ring at once (each holds KV on every stage); more wait
+    prefill_chunk: int = 512  # prompt tokens per step
+    context_length: int | None = None  # cap on prompt + answer tokens; None = the model's own
+    return_bind: str = "tcp://127.0.0.1:*"  # where the last stage sends results (* = a free port)
+    return_endpoint: str | None = None  # the address the last stage dials, when return_bind's host is a wildcard
+    ready_timeout_s: float = 120.0  # every stage must answer its StageConfigure within this
+    ping_interval_s: float = 1.0  # health pings to every stage
+    ping_timeout_s: float = 30.0  # no pong for this long = the stage is gone (a busy worker answers late)
+    liveness_interval_s: float = 0.2  # how often local stage processes are polled for exit
+    device: str = "CPU"  # shown in EngineInfo
+
+
+@dataclass
+class StageLink:
+    """One stage as the coordinator sees it."""
+
+    index: int  # ring position
+    start: int  # first layer (inclusive)
+    end: int  # last layer (exclusive)
+    endpoint: str  # the worker's bind address: control, and data for stage 0
+    proc: Any = None  # a Popen-like (poll(), pid) when this side owns the process
+    log_path: Path | None = None  # the worker's log, quoted when it crashes
+    pid: int | None = None  # learnt from its pong when there is no proc
+
+    @property
+    def label(self) -> str:
+        pid = self.proc.pid if self.proc is not None else self.pid
+        return f"stage {self.index} (layers {self.start}–{self.end}" + (f", pid {pid})" if pid else ")")
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"exited with signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"exited with signal {-code}"
+    return f"exited with code {code}"
+
+
+def log_tail(path: Path | None, limit: int = 200) -> str:
+    if path is None:
+        return ""
+    try:
+        lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return " ".join(lines[-1].split())[:limit] if lines else ""
+
+
+@dataclass
+class _Flight:
+    """One admitted request: its generation and where its stream stands."""
+
+    gen: Generation  # sampler, detokenizer, output ids, timings
+    stream_id: str  # unique for the engine's life (request ids may be reused)
+    sample: bool  # needs the logits row (temperature > 0 or a repetition penalty)
+    seq: int = 0  # the next step number
+    past: int = 0  # tokens in its KV state on every stage
+    in_flight: int = 0  # tokens of the step now in the ring; 0 = none
+    sent_at: float = 0.0  # perf_counter when that step left
+
+
+@dataclass
+class _Stats:
+    steps: int = 0  # steps completed around the ring
+    tokens: int = 0  # tokens generated
+    stage_ms: list = field(default_factory=list)  # summed compute ms per stage
+    ring_ms: float = 0.0  # summed send-to-result time of every step
+    pongs: dict = field(default_factory=dict)  # stage index -> last StagePong
+
+
+class PipelineEngine(Engine):
+    def __init__(self, stages: Sequence[StageLink], model_dir: Path, model_id: str,
+                 config: PipelineConfig = PipelineConfig(), on_close: Callable[[], None] | None = None,
+                 tokenizer: Any = None) -> None:
+        super().__init__()
+        if not stages:
+            raise EngineError("a pipeline needs at least one stage")
+        if config.max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
+        from engine.serve.local import context_from_config
+
+        self.stages = list(stages)
+        self.model_id = model_id
+        self.config = config
+        self._on_close = on_close
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_token_ids(Path(model_dir), tokenizer)
+        trained = context_from_config(Path(model_dir))
+        self.context_length = min(config.context_length, trained) if config.context_length else trained
+        self.vocab_size = _config_vocab(Path(model_dir)) or len(tokenizer)
+        self.stats = _Stats(stage_ms=[0.0] * len(self.stages))
+        self._inbox: queue.SimpleQueue[tuple[GenerateRequest, float]] = queue.SimpleQueue()
+        self._cancelled: set[str] = set()  # request ids, guarded by self._lock
+        self._broken: str | None = None  # why the ring is unusable
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._nonce = itertools.count(1)
+        self._ctx = zmq.Context()
+        # Other threads wake the loop through an inproc PAIR (portable, unlike polling a pipe
+        # on Windows); the sending end is shared, so it is used under a lock.
+        self._wake_lock = threading.Lock()
+        wake_addr = f"inproc://pipeline-wake-{uuid.uuid4().hex}"
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.setsockopt(zmq.SNDHWM, 1)
+        self._wake_tx.connect(wake_addr)
+        self._thread: threading.Thread | None = None
+        try:
+            self._open_sockets()
+            self._configure_ring()
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._thread = threading.Thread(target=self._run, name=f"flotilla-pipeline-{model_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.model_id, "pipeline", self.config.device, self.context_length)
+
+    def stage_status(self) -> dict[int, StagePong]:
+        """The last pong of every stage (queue depth, streams, compute ms)."""
+        return dict(self.stats.pongs)
+
+    # -- setup -------------------------------------------------------------------
+    def _open_sockets(self) -> None:
+        self.ret = self._ctx.socket(zmq.ROUTER)
+        self.ret.setsockopt(zmq.LINGER, 0)
+        self.ret.bind(self.config.return_bind)
+        self.return_endpoint = self.config.return_endpoint or self.ret.getsockopt_string(zmq.LAST_ENDPOINT)
+        me = COORD_IDENTITY + b"-" + uuid.uuid4().hex[:12].encode()
+        self.ctl: list[zmq.Socket] = []
+        for link in self.stages:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, me)
+            s.setsockopt(zmq.SNDHWM, 0)  # the ring bounds what we queue: one step per stream
+            s.connect(link.endpoint)
+            self.ctl.append(s)
+
+    def _configure_ring(self) -> None:
+        """Tell every stage where to send; wait until each answers (= loaded and wired)."""
+        n = len(self.stages)
+        for i, link in enumerate(self.stages):
+            nxt = self.stages[i + 1].endpoint if i + 1 < n else self.return_endpoint
+            self._send(i, StageConfigure(nxt, i, n, f"stage {i}"))
+        waiting = set(range(n))
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        poller = zmq.Poller()
+        for s in self.ctl:
+            poller.register(s, zmq.POLLIN)
+        while waiting:
+            for i in list(waiting):
+                dead = self._exit_reason(self.stages[i])
+                if dead:
+                    raise EngineError(dead)
+            if time.monotonic() > deadline:
+                names = ", ".join(self.stages[i].label for i in sorted(waiting))
+                raise EngineError(f"{names} did not become ready within {self.config.ready_timeout_s:.0f} s")
+            for sock, _ in poller.poll(100):
+                i = self.ctl.index(sock)
+                msg, _t = self._recv(sock)
+                if isinstance(msg, StagePong) and msg.configured:
+                    self._on_pong(i, msg)
+                    waiting.discard(i)
+                elif isinstance(msg, ErrorReply):
+                    raise EngineError(f"{self.stages[i].label} refused its configuration: {msg.message}")
+        self._last_pong = [time.monotonic()] * n
+
+    def _close_sockets(self) -> None:
+        with self._wake_lock:
+            for s in [getattr(self, "ret", None), *getattr(self, "ctl", []), self._wake_rx, self._wake_tx]:
+                if s is not None:
+                    s.close(0)
+            self._ctx.term()
+
+    # -- Engine hooks ------------------------------------------------------------
+    def _start(self, request: GenerateRequest) -> None:
+        if self._broken:
+            raise EngineError(self._broken)
+        self._inbox.put((request, time.perf_counter()))
+        self._wake()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._queues:
+                self._cancelled.add(request_id)
+        self._wake()
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._close_sockets()
+        if self._on_close is not None:
+            self._on_close()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_tx.closed:
+                return
+            try:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # a wake is already pending
+
+    # -- the coordinator thread --------------------------------------------------
+    def _run(self) -> None:
+        waiting: collections.deque[tuple[GenerateRequest, float]] = collections.deque()
+        active: dict[str, _Flight] = {}  # stream id -> flight, in admission order
+        self._to_free: list[str] = []
+        poller = zmq.Poller()
+        poller.register(self.ret, zmq.POLLIN)
+        for s in self.ctl:
+            poller.register(s, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        next_live = next_ping = 0.0
+        while not self._stop.is_set():
+            try:
+                while True:
+                    try:
+                        waiting.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                self._drop_cancelled(waiting, active)
+                if self._broken:
+                    self._fail_all(waiting, active, self._broken)
+                while waiting and len(active) < self.config.max_concurrent:
+                    flight = self._admit(*waiting.popleft())
+                    if flight is not None:
+                        active[flight.stream_id] = flight
+                for flight in active.values():
+                    if not flight.in_flight:
+                        self._send_step(flight)
+                self._flush_free()
+                timeout = max(0.0, min(next_live, next_ping) - time.monotonic())
+                for sock, _ in poller.poll(timeout * 1000):
+                    if sock is self._wake_rx:
+                        self._drain_wake()
+                    elif sock is self.ret:
+                        self._drain(self.ret, active, routed=True)
+                    else:
+                        self._drain(sock, active, routed=False)
+                now = time.monotonic()
+                if now >= next_live:
+                    next_live = now + self.config.liveness_interval_s
+                    self._check_liveness()
+                if now >= next_ping:
+                    next_ping = now + self.config.ping_interval_s
+                    self._ping_all(now)
+            except Exception:  # a bug in the loop itself: log, keep serving
+                log.exception("pipeline coordinator error")
+                time.sleep(0.05)
+        self._fail_all(waiting, active, "the engine was closed")
+        self._flush_free()
+
+    def _drain_wake(self) -> None:
+        try:
+            while True:
+                self._wake_rx.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _drop_cancelled(self, waiting: collections.deque, active: dict[str, _Flight]) -> None:
+        with self._lock:
+            if not self._cancelled:
+                return
+            ids, self._cancelled = self._cancelled, set()
+        for item in [w for w in waiting if w[0].request_id in ids]:
+            waiting.remove(item)
+            self._emit(TokenEvent(item[0].request_id, finish_reason="cancelled", usage=Usage(0, 0)))
+        for flight in [f for f in active.values() if f.gen.request_id in ids]:
+            self._end(active, flight, finished(flight.gen, "cancelled"))
+        rest = ids - {w[0].request_id for w in waiting} - {f.gen.request_id for f in active.values()}
+        with self._lock:  # ids still in the inbox: keep them for the next turn
+            self._cancelled |= {i for i in rest if i in self._queues}
+
+    def _admit(self, request: GenerateRequest, t_submit: float) -> _Flight | None:
+        try:
+            if request.messages is not None:
+                ids = chat_ids(self.tokenizer, request.messages)
+            else:
+                ids = prompt_ids(self.tokenizer, request.prompt or "")
+            gen = Generation.create(request, ids, None, self.tokenizer, self.eos_ids,  # type: ignore[arg-type]
+                                    self.context_length, self.config.prefill_chunk, t_submit)
+        except Exception as e:
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+                                  usage=Usage(0, 0)))
+            return None
+        s = request.sampling
+        return _Flight(gen, f"s{next(self._ids)}", sample=s.temperature > 0 or s.repetition_penalty != 1.0)
+
+    def _send_step(self, f: _Flight) -> None:
+        gen = f.gen
+        prompt = gen.prompt_ids
+        if gen.prefilled < len(prompt):
+            ids = prompt[gen.prefilled:gen.prefilled + gen.chunk]
+            final = gen.prefilled + len(ids) == len(prompt)
+        else:
+            ids, final = [gen.pending], True
+        step = StageStep(f.stream_id, f.seq, f.past, reset=f.past == 0, want_token=final,
+                         want_logits=final and f.sample)
+        if gen.t_start is None:
+            gen.t_start = time.perf_counter()
+        f.in_flight, f.sent_at = len(ids), time.perf_counter()
+        self._send(0, step, [np.array([ids], np.int64)])  # token ids [1, n]
+
+    def _drain(self, sock: zmq.Socket, active: dict[str, _Flight], routed: bool) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg, tensors = decode_frames(frames[1:] if routed else frames)
+            except ProtocolError as e:
+                log.warning("pipeline: unreadable message from a stage: %s", e)
+                continue
+            if isinstance(msg, StageResult):
+                self._on_result(active, msg, tensors)
+            elif isinstance(msg, StagePong):
+                self._on_pong(self.ctl.index(sock) if not routed else None, msg)
+            elif isinstance(msg, ErrorReply):
+                self._on_error(active, msg)
+            else:
+                log.warning("pipeline: unexpected %s from a stage", msg.KIND)
+
+    def _on_result(self, active: dict[str, _Flight], msg: StageResult, tensors: list[np.ndarray]) -> None:
+        f = active.get(msg.stream_id)
+        if f is None or not f.in_flight or msg.seq != f.seq:
+            return  # a late answer for a cancelled or finished stream
+        gen, n = f.gen, f.in_flight
+        self.stats.steps += 1
+        self.stats.ring_ms += (time.perf_counter() - f.sent_at) * 1000.0
+        for i, ms in enumerate(msg.stage_ms[:len(self.stats.stage_ms)]):
+            self.stats.stage_ms[i] += ms
+        f.seq += 1
+        f.past += n
+        f.in_flight = 0
+        if gen.prefilled < len(gen.prompt_ids):
+            gen.prefilled += n
+            if msg.token is None and gen.prefilled < len(gen.prompt_ids):
+                return  # a prefill chunk done; the next one goes out this turn
+        gen.pending = None
+        try:
+            token = self._pick(f, msg, tensors)
+        except ValueError as e:
+            self._end(active, f, finished(gen, "error", error=str(e)))
+            return
+        self.stats.tokens += 1
+        if gen.t_first is None:
+            gen.t_first = time.perf_counter()
+        gen.output_ids.append(token)
+        delta = gen.detok.push(token)
+        if delta.stopped:
+            self._end(active, f, finished(gen, "stop", delta.text, (token,)))
+        elif len(gen.output_ids) >= gen.max_new:
+            self._end(active, f, finished(gen, "length", delta.text + gen.detok.finish(), (token,)))
+        else:
+            gen.pending = token
+            self._emit(TokenEvent(gen.request_id, text=delta.text, token_ids=(token,)))
+
+    def _pick(self, f: _Flight, msg: StageResult, tensors: list[np.ndarray]) -> int:
+        if f.sample:
+            if len(tensors) != 1 or tensors[0].ndim != 1 or tensors[0].dtype != np.float32:
+                raise ValueError("the last stage did not return a logits row")
+            return f.gen.sampler.sample(tensors[0])
+        if msg.token is None or msg.token >= self.vocab_size:
+            raise ValueError(f"the last stage returned no valid token ({msg.token})")
+        return msg.token
+
+    def _on_error(self, active: dict[str, _Flight], msg: ErrorReply) -> None:
+        f = active.get(msg.request_id) if msg.request_id else None
+        if f is None:
+            log.warning("pipeline: a stage reported: %s (%s)", msg.message, msg.code)
+            return
+        self._end(active, f, finished(f.gen, "error", error=f"pipeline stage error: {msg.message}"))
+
+    def _on_pong(self, index: int | None, msg: StagePong) -> None:
+        if index is None:
+            return
+        self.stats.pongs[index] = msg
+        if hasattr(self, "_last_pong"):
+            self._last_pong[index] = time.monotonic()
+        if self.stages[index].pid is None:
+            self.stages[index].pid = msg.pid
+
+    def _end(self, active: dict[str, _Flight], f: _Flight, event: TokenEvent) -> None:
+        active.pop(f.stream_id, None)
+        self._to_free.append(f.stream_id)
+        self._emit(event)
+
+    def _flush_free(self) -> None:
+        if not self._to_free or self._broken:
+            self._to_free = []
+            return
+        msg = StageFree(tuple(self._to_free))
+        self._to_free = []
+        for i in range(len(self.stages)):
+            self._send(i, msg)
+
+    # -- health ------------------------------------------------------------------
+    def _exit_reason(self, link: StageLink) -> str | None:
+        if link.proc is None:
+            return None
+        code = link.proc.poll()
+        if code is None:
+            return None
+        why = f"{link.label} {describe_exit(code)}"
+        tail = log_tail(link.log_path) if code > 0 else ""
+        return f"{why}: {tail}" if tail else why
+
+    def _check_liveness(self) -> None:
+        if self._broken:
+            return
+        for link in self.stages:
+            reason = self._exit_reason(link)
+            if reason:
+                self._break(reason)
+                return
+        now = time.monotonic()
+        for i, link in enumerate(self.stages):
+            silent = now - self._last_pong[i]
+            if silent > self.config.ping_timeout_s:
+                self._break(f"{link.label} stopped answering for {silent:.0f} s")
+                return
+
+    def _ping_all(self, now: float) -> None:
+        if self._broken:
+            return
+        nonce = next(self._nonce)
+        for i in range(len(self.stages)):
+            self._send(i, StagePing(nonce))
+
+    def _break(self, reason: str) -> None:
+        log.error("pipeline broken: %s", reason)
+        self._broken = reason
+
+    def _fail_all(self, waiting: collections.deque, active: dict[str, _Flight], reason: str) -> None:
+        while waiting:
+            req, _t = waiting.popleft()
+            self._emit(TokenEvent(req.request_id, finish_reason="error", error=reason, usage=Usage(0, 0)))
+        for f in list(active.values()):
+            self._end(active, f, finished(f.gen, "error", error=reason))
+
+    # -- wire --------------------------------------------------------------------
+    def _send(self, i: int, msg: Any, tensors: list[np.ndarray] = ()) -> None:
+        try:
+            self.ctl[i].send_multipart(encode_frames(msg, list(tensors)), zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            log.warning("pipeline: cannot send %s to %s: %s", msg.KIND, self.stages[i].label, e)
+
+    @staticmethod
+    def _recv(sock: zmq.Socket) -> tuple[Any, list[np.ndarray]]:
+        try:
+            return decode_frames(sock.recv_multipart(copy=False))
+        except ProtocolError as e:
+            log.warning("pipeline: unreadable message from a stage: %s", e)
+            return None, []
+
+
+def _config_vocab(model_dir: Path) -> int:
+    """vocab_size from config.json (the logits width; may exceed the tokenizer's)."""
+    import json
+
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    v = cfg.get("text_config", cfg).get("vocab_size")
+    return v if isinstance(v, int) and v > 0 else 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:500]

@@ -1,0 +1,296 @@
+"""The local fleet runner: a whole pipeline on this PC, one process per stage.
+
+    engine = launch_pipeline(FleetConfig(model="demo", stages=3), progress)
+    ...                      # any Engine use: submit / stream / cancel
+    engine.close()           # also stops every stage process
+
+Steps, each of which can fail with a clear message before the next starts:
+1. plan: an even split by layers (or an explicit one) over equal synthetic
+   local peers that share this PC's RAM, checked by the planner
+   (validate_plan): a plan that does not fit raises PlanError and nothing is
+   launched. (auto_plan would put a small model on one peer: with equal peers
+   the fewest-peers plan wins, so the user's stage count is honoured instead.)
+2. export: every stage's shard from the cache, exported on a miss (progress).
+3. launch: one `python -m engine.pipeline.worker` per stage on loopback, each
+   binding a free port it reports on stdout, in its own session (Ctrl-C in
+   the terminal reaches only us), watching our pid so it exits if we die.
+4. wire: PipelineEngine tells each stage its next hop and waits until all
+   answer (shards compiled).
+stop() (also on close, at exit and on any launch error) sends SIGTERM to each
+process group, then SIGKILL after a grace period: no orphans.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink, describe_exit, log_tail
+from engine.pipeline.plan import DEVICE_KINDS, DeviceProfile, PeerProfile, Plan, PlanError, PlanModel, PlanRequest
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, float], None]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STOP_GRACE_S = 2.0  # SIGTERM -> SIGKILL
+BOUND_TIMEOUT_S = 60.0  # a worker must report its address within this (python + openvino import)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    model: str = "demo"  # model spec: demo id, HF folder or hub id
+    stages: int = 2  # stage processes when no split is given (even split by layers)
+    split: tuple[tuple[int, int], ...] | None = None  # explicit [start, end) ranges, in ring order
+    exact: bool = False  # f32 inference + f32 KV cache on every stage (bit-comparable with torch)
+    device: str = "CPU"  # OpenVINO device of every stage
+    weights: str = "f32"  # shard weight precision: "f32" or "fp16"
+    threads: int | None = None  # OpenVINO inference threads per stage; None = plugin default
+    ram_budget_bytes: int | None = None  # RAM all stages may use together; None = available RAM
+    context_length: int | None = None  # tokens per stream (KV sizing and the engine's cap); None = model's
+    max_concurrent: int = 8  # streams in the ring at once (KV reserved for each on every stage)
+    prefill_chunk: int = 512  # prompt tokens per step
+    host: str = "127.0.0.1"  # where workers bind; loopback keeps the data plane private
+    ready_timeout_s: float = 180.0  # every stage must be loaded and wired within this
+    log_dir: Path | None = None  # worker logs; None = a temporary folder
+
+
+def parse_split(text: str) -> tuple[tuple[int, int], ...]:
+    """'0:3,3:6,6:8' -> ((0, 3), (3, 6), (6, 8))."""
+    out = []
+    for part in text.replace(" ", "").split(","):
+        try:
+            a, b = part.split(":")
+            out.append((int(a), int(b)))
+        except ValueError:
+            raise PlanError(f"cannot read the split {text!r}: write ranges like 0:3,3:6,6:8") from None
+    return tuple(out)
+
+
+def even_split(total: int, stages: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous ranges whose sizes differ by at most one (earlier stages take the rest)."""
+    if not 1 <= stages <= total:
+        raise PlanError(f"cannot split {total} layers into {stages} stages: use 1 to {total} stages")
+    base, extra = divmod(total, stages)
+    ranges, start = [], 0
+    for i in range(stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return tuple(ranges)
+
+
+def available_ram() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return 8 * 1024**3
+
+
+def plan_local(model: PlanModel, cfg: FleetConfig, context_length: int) -> Plan:
+    """The checked plan of cfg on this PC; PlanError (a user-facing reason) if it cannot run."""
+    from engine.pipeline.plan_validate import evaluate_plan, validate_plan
+
+    ranges = cfg.split or even_split(model.num_layers, cfg.stages)
+    budget = cfg.ram_budget_bytes if cfg.ram_budget_bytes is not None else available_ram()
+    n = len(ranges)
+    kind = cfg.device.split(".")[0].upper()
+    device = DeviceProfile(kind if kind in DEVICE_KINDS else "CPU", cfg.device)
+    peers = [PeerProfile(f"local-{i}", f"stage {i}", (device,), budget // n) for i in range(n)]
+    request = PlanRequest(context_length=context_length, streams=cfg.max_concurrent,
+                          kv_dtype_bytes=4.0 if cfg.exact else None,
+                          weight_precision="fp32" if cfg.weights == "f32" else "fp16")
+    specs = [(p.peer_id, cfg.device, s, e) for p, (s, e) in zip(peers, ranges)]
+    issues = validate_plan(specs, model, peers, request)
+    if issues:
+        raise PlanError("the plan cannot run on this PC: " + "; ".join(i.message for i in issues), issues)
+    return evaluate_plan(specs, model, peers, request)
+
+
+class LocalFleet:
+    """The stage processes of one pipeline on this PC."""
+
+    def __init__(self, cfg: FleetConfig, progress: Progress | None = None) -> None:
+        from engine.models import profile_model, resolve_model
+        from engine.serve.local import context_from_config
+
+        self.cfg = cfg
+        self.progress = progress or (lambda _m, _f: None)
+        self.resolved = resolve_model(cfg.model, progress)
+        self.model_path = Path(self.resolved.path)
+        self.profile = profile_model(self.resolved)
+        trained = context_from_config(self.model_path)
+        self.context_length = min(cfg.context_length, trained) if cfg.context_length else trained
+        self.plan = plan_local(PlanModel.from_profile(self.profile), cfg, self.context_length)
+        self.procs: list[subprocess.Popen] = []
+        self.links: list[StageLink] = []
+        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="flotilla-pipeline-"))
+        self._stopped = False
+
+    # -- export ------------------------------------------------------------------
+    def export(self) -> list[Any]:
+        """ShardInfo of every stage, exporting missing ones (the HF model loads only then)."""
+        import openvino as ov
+
+        from engine.pipeline.export import (MANIFEST, ensure_shard, model_fingerprint, shard_cache_key,
+                                            shard_cache_root)
+
+        fp = model_fingerprint(self.model_path)
+        total = self.profile.num_layers
+        hf_model, infos = None, []
+        stages = self.plan.stages
+        for i, st in enumerate(stages):
+            key = shard_cache_key(fp, st.start, st.end, self.cfg.weights, ov.get_version())
+            cached = (shard_cache_root() / key / MANIFEST).exists()
+            self.progress(f"{'shard' if cached else 'exporting shard'} {i} (layers {st.start}–{st.end})",
+                          i / len(stages))
+            if not cached and hf_model is None:
+                from engine.pipeline.export import _load_hf
+
+                hf_model = _load_hf(self.model_path)
+            infos.append(ensure_shard(self.model_path, st.start, st.end, num_layers_total=total,
+                                      precision=self.cfg.weights, hf_model=hf_model))
+        self.progress(f"{len(stages)} shards ready", 1.0)
+        return infos
+
+    # -- processes ---------------------------------------------------------------
+    def launch(self, infos: list[Any]) -> list[StageLink]:
+        """Start one worker per shard; returns their links once each reported its address."""
+        from engine.models.demo import cache_root
+
+        atexit.register(self.stop)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        blobs = cache_root() / "ov-blobs"
+        for i, info in enumerate(infos):
+            cmd = [sys.executable, "-m", "engine.pipeline.worker", "--shard", str(info.path),
+                   "--bind", f"tcp://{self.cfg.host}:*", "--name", f"stage {i}", "--device", self.cfg.device,
+                   "--cache-dir", str(blobs), "--parent-pid", str(os.getpid())]
+            if self.cfg.exact:
+                cmd.append("--exact")
+            if self.cfg.threads:
+                cmd += ["--threads", str(self.cfg.threads)]
+            log_path = self.log_dir / f"stage-{i}.log"
+            with open(log_path, "ab") as logf:
+                # Own session/process group: a terminal Ctrl-C reaches only us; we stop them.
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
+                                        env=env, cwd=str(REPO_ROOT), start_new_session=(os.name == "posix"),
+                                        creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
+            self.procs.append(proc)
+            st = self.plan.stages[i]
+            self.links.append(StageLink(i, st.start, st.end, "", proc=proc, log_path=log_path))
+        for link in self.links:
+            link.endpoint = self._read_bound(link)
+        return self.links
+
+    def _read_bound(self, link: StageLink) -> str:
+        """The endpoint the worker printed as its first stdout line (a thread reads it:
+        select() on pipes does not exist on Windows)."""
+        proc = link.proc
+        line: list[bytes] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(BOUND_TIMEOUT_S)
+        if not line:
+            raise PipelineLaunchError(f"{link.label} did not start within {BOUND_TIMEOUT_S:.0f} s "
+                                      f"(log: {link.log_path})")
+        proc.stdout.close()
+        if not line[0]:
+            code = proc.wait(timeout=5)
+            raise PipelineLaunchError(f"{link.label} {describe_exit(code)} while starting: "
+                                      f"{log_tail(link.log_path) or 'no output'} (log: {link.log_path})")
+        try:
+            return str(json.loads(line[0])["endpoint"])
+        except (ValueError, KeyError, TypeError):
+            raise PipelineLaunchError(f"{link.label} printed no address (log: {link.log_path})") from None
+
+    def stop(self) -> None:
+        """SIGTERM every stage's process group, then SIGKILL what is left. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            atexit.unregister(self.stop)
+        except Exception:
+            pass
+        alive = [p for p in self.procs if p.poll() is None]
+        for p in alive:
+            _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(p, signal.SIGKILL)
+                p.wait()
+
+
+class PipelineLaunchError(RuntimeError):
+    """A stage process did not start."""
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        if os.name == "posix":
+            os.killpg(proc.pid, sig)  # its own session: the group id is its pid
+        else:
+            proc.send_signal(sig)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+
+
+def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
+                    engine_config: PipelineConfig | None = None) -> PipelineEngine:
+    """Plan, export, start and wire a local pipeline; engine.close() stops it.
+
+    Raises PlanError before anything launches when the plan cannot run, and
+    EngineError (after stopping whatever started) when a stage fails to come up."""
+    from engine.serve.interface import EngineError
+
+    fleet = LocalFleet(cfg, progress)  # plans: may raise PlanError, nothing started yet
+    try:
+        infos = fleet.export()
+        if progress:
+            progress(f"starting {len(infos)} stage processes", 0.0)
+        links = fleet.launch(infos)
+        pcfg = engine_config or PipelineConfig(
+            max_concurrent=cfg.max_concurrent, prefill_chunk=cfg.prefill_chunk,
+            context_length=fleet.context_length, return_bind=f"tcp://{cfg.host}:*",
+            ready_timeout_s=cfg.ready_timeout_s, device=cfg.device)
+        engine = PipelineEngine(links, fleet.model_path, fleet.resolved.model_id, pcfg, on_close=fleet.stop)
+        if progress:
+            progress(f"{len(infos)} stages ready", 1.0)
+    except PipelineLaunchError as e:
+        fleet.stop()
+        raise EngineError(str(e)) from None
+    except BaseException:
+        fleet.stop()
+        raise
+    engine.fleet = fleet  # type: ignore[attr-defined]  # for status displays and tests
+    return engine
+
+
+def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = None) -> PipelineEngine:
+    """engine.serve.factory opener: options.extra may carry stages, split, threads, max_concurrent."""
+    extra = dict(getattr(options, "extra", {}) or {})
+    split = extra.get("split")
+    if isinstance(split, str):
+        split = parse_split(split)
+    cfg = FleetConfig(model=spec, stages=int(extra.get("stages", 2)),
+                      split=tuple(tuple(r) for r in split) if split else None,
+                      exact=getattr(options, "precision", "default") == "f32",
+                      device=getattr(options, "device", "CPU"), threads=extra.get("threads"),
+                      max_concurrent=int(extra.get("max_concurrent", 8)))
+    return launch_pipeline(cfg, progress)
