@@ -6,6 +6,7 @@ Each kind maps to a function (spec, options) -> Engine, imported lazily so that
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,6 +26,19 @@ class EngineOptions:
     extra: dict[str, Any] = field(default_factory=dict)  # kind-specific settings
 
 
+def _lazy(target: str) -> Callable[[str, EngineOptions, Progress | None], Engine]:
+    """An opener that imports "package.module:function" only when called, so
+    `flotilla --help` stays fast and a broken optional engine fails only when used."""
+
+    def opener(spec: str, options: EngineOptions, progress: Progress | None) -> Engine:
+        module_name, func_name = target.split(":")
+        module = importlib.import_module(module_name)
+        return getattr(module, func_name)(spec, options, progress)
+
+    opener.__qualname__ = f"open[{target}]"
+    return opener
+
+
 def _open_local(spec: str, options: EngineOptions, progress: Progress | None) -> Engine:
     from engine.serve.local import LocalEngine
 
@@ -35,16 +49,12 @@ def _open_local(spec: str, options: EngineOptions, progress: Progress | None) ->
 # kind -> (opener, one-line description for --help)
 ENGINE_KINDS: dict[str, tuple[Callable[[str, EngineOptions, Progress | None], Engine], str]] = {
     "local": (_open_local, "the whole model on this PC (OpenVINO)"),
-    "moe": (lambda spec, options, progress: __import__("engine.moe.engine", fromlist=["x"]).open_moe_engine(spec, options, progress), "MoE model, experts on disk (Bevy scheduler)"),  # noqa: E501
-    "sparse": (lambda spec, options, progress: __import__("engine.sparse.engine", fromlist=["x"]).open_sparse(spec, options, progress), "sparse FFN: neurons streamed from storage into a RAM cache (NeuroPrefetcher)"),  # noqa: E501
-    "pipeline": (lambda spec, options, progress: _open_pipeline(spec, options, progress), "layers split over local stage processes (pipeline shards; extra: stages, split, threads)"),  # noqa: E501
+    "pipeline": (_lazy("engine.pipeline.runner:open_pipeline_engine"),
+                 "layers split over local stage processes (pipeline shards; extra: stages, split, threads)"),
+    "moe": (_lazy("engine.moe.engine:open_moe_engine"), "MoE model, experts on disk (Bevy scheduler)"),
+    "sparse": (_lazy("engine.sparse.engine:open_sparse"),
+               "sparse FFN: neurons streamed from storage into a RAM cache (NeuroPrefetcher)"),
 }
-
-
-def _open_pipeline(spec: str, options: EngineOptions, progress: Progress | None) -> Engine:
-    from engine.pipeline.runner import open_pipeline_engine
-
-    return open_pipeline_engine(spec, options, progress)
 
 
 def open_engine(spec: str, kind: str = "local", options: EngineOptions | None = None,
