@@ -9,13 +9,14 @@ STAMP   := $(VENV)/.flotilla-installed
 # Demo models and exported IRs go here, so tests and `make run` share one cache.
 export FLOTILLA_CACHE ?= $(CURDIR)/.cache/flotilla
 
-# System libraries Qt needs on a bare Debian/Ubuntu, and xvfb for GUI screenshots.
+# System libraries Qt needs on a bare Debian/Ubuntu, xvfb for GUI screenshots,
+# iproute2 for the multi-host tests (network namespaces).
 SYSTEM_PKGS := libgl1 libegl1 libxkbcommon0 libxkbcommon-x11-0 libxcb-cursor0 \
                libxcb-icccm4 libxcb-keysyms1 libxcb-shape0 libxcb-randr0 \
                libxcb-render-util0 libxcb-image0 libxcb-xkb1 libfontconfig1 \
-               libdbus-1-3 fonts-dejavu-core xvfb xauth
+               libdbus-1-3 fonts-dejavu-core xvfb xauth iproute2
 
-.PHONY: run test setup sysdeps demo-models lint clean
+.PHONY: run test setup sysdeps demo-models lint clean dist
 
 run: setup demo-models
 	$(VENV)/bin/flotilla
@@ -65,6 +66,14 @@ demo-models: setup
 # engines only through engine.protocol and engine.client.
 lint: setup
 	$(VENV)/bin/lint-imports --no-cache
+
+# Installers: the Linux package (.deb) into dist/, built by installers/build.py
+# from a clean copy of the tree; reuses a cached build of the same sources
+# (build/dist-cache). PyInstaller comes from the `dist` extra. docs/install.md.
+dist: setup
+	# only the extra's own requirements: re-resolving '.[dist]' would bring torchvision back.
+	$(PY) -c "import PyInstaller" 2>/dev/null || $(PIP) install -q $$($(PY) -m installers.project dist-requirements)
+	$(PY) -m installers.build --out dist
 
 clean:
 	rm -rf $(VENV) .cache build dist *.egg-info

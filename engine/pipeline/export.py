@@ -115,9 +115,12 @@ def model_fingerprint(model_path: Path) -> str:
 
 
 def _exporter_digest() -> str:
-    """Digest of the traced forward's source, so editing it invalidates cached shards."""
-    src = Path(__file__).with_name("shard_model.py").read_bytes()
-    return hashlib.sha256(src).hexdigest()[:12]
+    """Digest of the traced forward's and the compressor's source, so editing
+    either invalidates cached shards."""
+    h = hashlib.sha256()
+    for name in ("shard_model.py", "compress.py"):
+        h.update(Path(__file__).with_name(name).read_bytes())
+    return h.hexdigest()[:12]
 
 
 def shard_cache_key(model_fingerprint: str, start: int, end: int, precision: str,

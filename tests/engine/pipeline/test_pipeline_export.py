@@ -204,8 +204,6 @@ def test_bad_requests_are_rejected(demo, tmp_path):
         export_shard(demo.path, 0, 4, tmp_path, num_layers_total=12, hf_model=demo.model)
     with pytest.raises(ValueError):
         export_shard(demo.path, 0, 4, tmp_path, precision="f8", hf_model=demo.model)
-    with pytest.raises(NotImplementedError):
-        export_shard(demo.path, 0, 4, tmp_path, precision="int4", hf_model=demo.model)
 
 
 ARCHS = {

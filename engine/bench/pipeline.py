@@ -1,0 +1,532 @@
+"""`flotilla bench pipeline`: request interleaving over 2 stage processes vs one monolithic model.
+
+A compute-bound random-weight Llama (engine.bench.shards.dense_recipe) runs
+  monolithic  the whole model ([0, L) shard, fused stateful KV) in ONE child
+              process pinned to one core (taskset), driven directly through
+              ShardRunner: N streams round-robin, no messaging at all;
+  pipeline    2 stage worker processes (engine.pipeline.worker, the shards
+              [0, L/2) and [L/2, L)), each pinned to its own core, driven by
+              the PipelineEngine coordinator (engine.pipeline.coordinator)
+              running in another child process (not pinned);
+  monolithic_engine  the whole model as ONE stage worker on the first core
+              behind the same coordinator (what the ring machinery costs);
+with 1, 2 and 4 streams: N greedy requests submitted at once, each generating
+--tokens tokens after a short prompt; aggregate tok/s = all generated tokens /
+wall time from submit to the last token (prefill included, the same in both).
+Every OpenVINO model gets INFERENCE_NUM_THREADS=1, so a process uses one core.
+Cases alternate inside each repeat (monolithic and pipeline processes stay
+loaded and idle between cases); figures are medians over repeats.
+
+speedup_2streams = pipeline with 2 streams / monolithic with 1 stream
+(goal >= 1.85; the paper reached 1.80x on two Arc iGPU nodes).
+
+The full run (not --quick) adds network profiles: every process (coordinator,
+stage 0, stage 1) runs in its own network namespace created by the benchmark
+(engine/bench/_netns.py), joined by veth pairs to a bridge in a namespace of
+its own. Each hop between two nodes costs a one-way delay D: this kernel has no
+sch_netem, so D comes from a delaying TCP relay in front of every node's
+sockets (bytes in both directions released D ms after they arrived, in order),
+and the rate limit from a tbf qdisc on every node's eth0. Profiles: "wifi"
+(D = 2.5 ms, i.e. 5 ms RTT, 300 Mbit/s) and "wan100" (D = 100 ms per hop).
+For each, the pipeline's aggregate tok/s with 1, 2, 4 streams and the
+interleaving gain (N streams / 1 stream) are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+NAME = "pipeline"
+HELP = "pipeline request interleaving: 2 pinned stage processes vs the monolithic model on one core"
+
+PROMPTS = ["Once upon a time", "The robot walked into", "Tell me about the sea", "A small cat",
+           "In the morning the", "She opened the door and", "Why is the sky", "The old man said"]
+PROFILES = {  # name -> one-way delay per hop (ms), rate limit (Mbit/s) or None
+    "wifi": (2.5, 300.0),
+    "wan100": (100.0, None),
+}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    p.add_argument("--inter", type=int, default=None, help="FFN width (default 2.75 x hidden)")
+    p.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    p.add_argument("--kv-heads", type=int, default=4, help="K/V heads (default 4)")
+    p.add_argument("--streams", default="1,2,4", help="comma-separated stream counts (default 1,2,4)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per stream (default 24 quick, 64 full)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats (default 3 quick, 5 full)")
+    p.add_argument("--cores", default="0,1", help="cores of stage 0 and stage 1; the monolithic run uses the first")
+    p.add_argument("--threads", type=int, default=1, help="INFERENCE_NUM_THREADS per process (default 1)")
+    p.add_argument("--profiles", default=None,
+                   help=f"network profiles for the full run (default: {','.join(PROFILES)}; 'none' skips)")
+    p.add_argument("--net-tokens", type=int, default=None, help="tokens per stream under a network profile "
+                                                                "(default 8 for wan100, else --tokens)")
+
+
+# -- the parent side ---------------------------------------------------------------------------------
+
+
+class Child:
+    """A helper process answering one JSON command per line (see _child_main)."""
+
+    def __init__(self, prefix: list[str], spec: dict, log_path: Path):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        cmd = [*prefix, sys.executable, "-c", "from engine.bench.pipeline import _child_main; _child_main()"]
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=env, cwd=str(REPO_ROOT), start_new_session=True, text=True)
+        try:
+            self.ask(spec)  # the first command sets the child up; it answers when loaded
+        except BaseException:
+            self.close()
+            raise
+
+    def ask(self, cmd: dict) -> dict:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=10)
+            raise RuntimeError(f"benchmark child exited ({self.proc.returncode}); log: {self.log_path}\n"
+                               + _tail(self.log_path))
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"benchmark child: {answer['error']} (log: {self.log_path})")
+        return answer
+
+    def close(self) -> None:
+        """Ask the child to quit (it stops what it started), then make sure it is gone.
+
+        Never waits for an answer: close() also runs when a command was interrupted.
+        The child's workers and relays exit by themselves when the child is gone.
+        """
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.close()  # EOF: the child tears down after its current command
+            except (OSError, ValueError):
+                pass
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        _stop_group(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """SIGTERM the process group (its own session), then SIGKILL what is left."""
+    if proc.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    import openvino as ov
+
+    from engine.bench.shards import dense_recipe, model_summary, split_ranges
+    from engine.models.demo import cache_root, ensure_recipe
+    from engine.pipeline.export import MANIFEST, ensure_shard, model_fingerprint, shard_cache_key, shard_cache_root
+
+    quick = bool(args.quick)
+    tokens = args.tokens or (24 if quick else 64)
+    repeats = args.repeats or (3 if quick else 5)
+    streams = [int(s) for s in str(args.streams).split(",") if s.strip()]
+    cores = [int(c) for c in str(args.cores).split(",") if c.strip()]
+    if len(cores) < 2:
+        raise SystemExit("--cores needs two cores (stage 0, stage 1)")
+    allowed = os.sched_getaffinity(0)
+    if not set(cores[:2]) <= allowed:
+        raise SystemExit(f"cores {cores[:2]} are not all available here (allowed: {sorted(allowed)})")
+    profiles_arg = args.profiles if args.profiles is not None else ("none" if quick else ",".join(PROFILES))
+    profiles = [] if profiles_arg == "none" else [p for p in profiles_arg.split(",") if p.strip()]
+    for p in profiles:
+        if p not in PROFILES:
+            raise SystemExit(f"unknown profile {p!r}; known: {', '.join(PROFILES)}")
+
+    recipe = dense_recipe(args.hidden, args.layers, args.inter, args.heads, args.kv_heads)
+    report(f"building {recipe.demo_id} (first run only)")
+    path = ensure_recipe(recipe)
+    model = model_summary(path, recipe)
+    layers = model["layers"]
+    report(f"model: {model['params_m']} M params, {model['f32_weights_mb']} MB f32")
+    ranges = split_ranges(layers, 2)
+    fp = model_fingerprint(path)
+    hf = None
+    infos = {}
+    for s, e in [(0, layers), *ranges]:
+        if hf is None and not (shard_cache_root() / shard_cache_key(fp, s, e, "f32", ov.get_version()) / MANIFEST).exists():
+            from engine.pipeline.export import _load_hf
+
+            report("exporting shards (first run only)")
+            hf = _load_hf(path)
+        infos[(s, e)] = ensure_shard(path, s, e, num_layers_total=layers, hf_model=hf)
+    hf = None
+
+    from transformers import AutoTokenizer
+
+    from engine.runtime.chat import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    prompts = [prompt_ids(tok, p) for p in PROMPTS]
+    blobs = str(cache_root() / "ov-blobs")
+    logs = Path(tempfile.mkdtemp(prefix="flotilla-bench-pipeline-"))
+    common = {"model_path": str(path), "model_id": recipe.demo_id, "threads": args.threads,
+              "blobs": blobs, "log_dir": str(logs)}
+    load = {"before": os.getloadavg()}
+
+    mono_spec = {**common, "cmd": "setup_mono", "shard": infos[(0, layers)].path}
+    ring_spec = {**common, "cmd": "setup_ring", "shards": [infos[r].path for r in ranges],
+                 "ranges": ranges, "cores": cores[:2], "max_concurrent": max(streams),
+                 "stage_prefix": [[], []], "host": "127.0.0.1", "coord_host": "127.0.0.1", "relays": None}
+    # The whole model as ONE stage worker on the first core, behind the same coordinator:
+    # separates what the ring costs from what interleaving gains.
+    one_spec = {**ring_spec, "shards": [infos[(0, layers)].path], "ranges": [(0, layers)],
+                "cores": cores[:1], "stage_prefix": [[]]}
+    report(f"starting the monolithic process (core {cores[0]}), a 1-stage ring (core {cores[0]}) "
+           f"and 2 stage processes (cores {cores[:2]})")
+    children: list[Child] = []
+    cells: dict[tuple[str, int], list[float]] = {}
+    try:
+        mono = Child(["taskset", "-c", str(cores[0])], mono_spec, logs / "mono.log")
+        children.append(mono)
+        one = Child([], one_spec, logs / "ring1.log")
+        children.append(one)
+        ring = Child([], ring_spec, logs / "ring.log")
+        children.append(ring)
+        cases = [("monolithic", mono), ("monolithic_engine", one), ("pipeline_2stages", ring)]
+        # Warm-up: one short run of each (first inferences allocate and page in).
+        for _name, child in cases:
+            child.ask({"cmd": "run", "streams": 2, "tokens": 4, "prompts": prompts if child is mono else PROMPTS})
+        for rep in range(repeats):
+            for n in streams:
+                k = rep % len(cases)
+                for name, child in cases[k:] + cases[:k]:  # rotate who goes first
+                    res = child.ask({"cmd": "run", "streams": n, "tokens": tokens,
+                                     "prompts": prompts if child is mono else PROMPTS})
+                    cells.setdefault((name, n), []).append(res["tok_s"])
+                    report(f"  repeat {rep + 1}/{repeats} streams={n} {name:<17} {res['tok_s']:7.2f} tok/s"
+                           f"  (tokens per stream {res['min_tokens']}..{res['max_tokens']})")
+        stage_ms = ring.ask({"cmd": "stats"})
+        stage_ms_one = one.ask({"cmd": "stats"})
+    finally:
+        for c in reversed(children):
+            c.close()
+    load["after"] = os.getloadavg()
+
+    table = {name: {str(n): round(statistics.median(cells[(name, n)]), 3) for n in streams}
+             for name in ("monolithic", "monolithic_engine", "pipeline_2stages")}
+    out: dict[str, Any] = {
+        "model": model, "ranges": [list(r) for r in ranges], "cores": cores[:2], "threads_per_process": args.threads,
+        "tokens_per_stream": tokens, "prompt_tokens": [len(p) for p in prompts], "repeats": repeats,
+        "aggregate_tok_s": table,
+        "aggregate_tok_s_per_repeat": {f"{name}/{n}": [round(x, 3) for x in cells[(name, n)]]
+                                       for name, n in cells},
+        "stage_compute_ms_mean": stage_ms.get("stage_ms_mean"),
+        "monolithic_engine_compute_ms_mean": (stage_ms_one.get("stage_ms_mean") or [None])[0],
+        "loadavg": {k: [round(x, 2) for x in v] for k, v in load.items()},
+        "goals": {"speedup_2streams": 1.85},
+    }
+    if 1 in streams:
+        mono1 = table["monolithic"]["1"]
+        out["speedup_by_streams"] = {str(n): round(table["pipeline_2stages"][str(n)] / mono1, 3) for n in streams}
+        if 2 in streams:
+            out["speedup_2streams"] = out["speedup_by_streams"]["2"]
+            out["speedup_2streams_per_repeat"] = [round(p / m, 3) for p, m in
+                                                  zip(cells[("pipeline_2stages", 2)], cells[("monolithic", 1)])]
+        one1 = table["monolithic_engine"]["1"]
+        out["speedup_vs_monolithic_engine_by_streams"] = {
+            str(n): round(table["pipeline_2stages"][str(n)] / one1, 3) for n in streams}
+        out["interleaving_gain_loopback"] = {str(n): round(table["pipeline_2stages"][str(n)]
+                                                           / table["pipeline_2stages"]["1"], 3) for n in streams}
+    # CURVE on the data plane: the same 2-stage ring with and without it (engine/bench/_curve.py).
+    from engine.bench._curve import measure_curve_overhead
+
+    out.update(measure_curve_overhead(path, recipe.demo_id, [infos[r].path for r in ranges], ranges, cores[:2],
+                                      threads=args.threads, streams=tuple(n for n in streams if n <= 2) or (1,),
+                                      tokens=tokens, repeats=repeats, blobs=blobs, hidden=args.hidden,
+                                      log_dir=logs / "curve", report=report))
+    if profiles:
+        out["network"] = {p: _run_profile(p, common, ring_spec, ranges, cores, streams,
+                                          args.net_tokens or (8 if PROFILES[p][0] >= 50 else tokens),
+                                          max(1, repeats // 2) if PROFILES[p][0] >= 50 else repeats, report)
+                          for p in profiles}
+    return out
+
+
+def _run_profile(profile: str, common: dict, ring_spec: dict, ranges, cores, streams, tokens: int, repeats: int,
+                 report: Callable[[str], None]) -> dict[str, Any]:
+    delay, rate = PROFILES[profile]
+    nodes = ["c", "s0", "s1"]
+    # SIGTERM would end us without running `finally`/`with` exits: turn it into an
+    # exception while namespaces exist, so they are always deleted.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return _profile_in_lab(profile, delay, rate, nodes, common, ring_spec, streams, tokens, repeats, report)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _profile_in_lab(profile: str, delay: float, rate: float | None, nodes: list[str], common: dict,
+                    ring_spec: dict, streams, tokens: int, repeats: int,
+                    report: Callable[[str], None]) -> dict[str, Any]:
+    from engine.bench._netns import NetLab
+
+    report(f"network profile {profile}: {delay} ms per hop" + (f", {rate:g} Mbit/s" if rate else ""))
+    with NetLab(nodes, delay_ms=0.0, rate_mbit=rate) as lab:
+        spec = dict(ring_spec)
+        spec.update({
+            "stage_prefix": [lab.exec_prefix("s0"), lab.exec_prefix("s1")],
+            "host": None, "stage_hosts": [lab.address("s0"), lab.address("s1")],
+            "coord_host": lab.address("c"),
+            "relays": {"delay_ms": delay, "prefix": {n: lab.exec_prefix(n) for n in nodes}},
+        })
+        ring = Child(lab.exec_prefix("c"), spec, Path(common["log_dir"]) / f"ring-{profile}.log")
+        cells: dict[int, list[float]] = {}
+        try:
+            ring.ask({"cmd": "run", "streams": 1, "tokens": 2, "prompts": PROMPTS})
+            for rep in range(repeats):
+                for n in streams:
+                    res = ring.ask({"cmd": "run", "streams": n, "tokens": tokens, "prompts": PROMPTS})
+                    cells.setdefault(n, []).append(res["tok_s"])
+                    report(f"  {profile} repeat {rep + 1}/{repeats} streams={n} {res['tok_s']:7.2f} tok/s")
+        finally:
+            ring.close()
+    tok_s = {str(n): round(statistics.median(v), 3) for n, v in cells.items()}
+    return {"one_way_delay_ms_per_hop": delay, "rate_mbit": rate, "tokens_per_stream": tokens, "repeats": repeats,
+            "delay_by": "user-space relay per node (no sch_netem in this kernel)",
+            "rate_by": "tbf on every node's eth0" if rate else None, "aggregate_tok_s": tok_s,
+            "interleaving_gain": {n: round(v / tok_s["1"], 3) for n, v in tok_s.items()} if "1" in tok_s else {}}
+
+
+# -- the child side ----------------------------------------------------------------------------------
+
+
+def _child_main() -> None:
+    """Serve JSON commands on stdin; answers go to the original stdout, everything else to stderr."""
+    import logging
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    state: dict[str, Any] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            answer = _handle(state, cmd)
+        except Exception as e:  # reported to the parent, which raises
+            import traceback
+
+            traceback.print_exc()
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+        if cmd.get("cmd") == "quit":
+            break
+    _teardown(state)
+
+
+def _handle(state: dict, cmd: dict) -> dict:
+    kind = cmd["cmd"]
+    if kind == "setup_mono":
+        from engine.pipeline.export import ShardRunner
+
+        state["mono"] = ShardRunner(Path(cmd["shard"]), cache_dir=Path(cmd["blobs"]),
+                                    config={"INFERENCE_NUM_THREADS": int(cmd["threads"])})
+        return {"ok": True, "affinity": sorted(os.sched_getaffinity(0))}
+    if kind == "setup_ring":
+        _setup_ring(state, cmd)
+        return {"ok": True}
+    if kind == "run":
+        if "mono" in state:
+            return _run_mono(state["mono"], cmd["streams"], cmd["tokens"], cmd["prompts"])
+        return _run_ring(state["engine"], cmd["streams"], cmd["tokens"], cmd["prompts"])
+    if kind == "stats":
+        eng = state.get("engine")
+        if eng is None:
+            return {}
+        st = eng.stats
+        return {"stage_ms_mean": [round(ms / max(1, st.steps), 3) for ms in st.stage_ms], "steps": st.steps}
+    if kind == "quit":
+        _teardown(state)
+        return {"ok": True}
+    raise ValueError(f"unknown command {kind!r}")
+
+
+def _run_mono(runner, n: int, tokens: int, prompts: list[list[int]]) -> dict:
+    """N greedy streams round-robin on one compiled whole model (prefill + decode timed)."""
+    import numpy as np
+
+    streams = [runner.new_stream() for _ in range(n)]
+    ids = [list(prompts[i % len(prompts)]) for i in range(n)]
+    past = [0] * n
+    counts = [0] * n
+    t0 = time.perf_counter()
+    feed_ids = ids
+    for _ in range(tokens):
+        nxt = []
+        for i, s in enumerate(streams):
+            x = np.array([feed_ids[i]], np.int64)
+            k = x.shape[1]
+            out = s.run({"input_ids": x, "attention_mask": np.ones((1, past[i] + k), np.int64),
+                         "position_ids": np.arange(past[i], past[i] + k, dtype=np.int64)[None]})
+            past[i] += k
+            counts[i] += 1
+            nxt.append([int(out["next_token"][0, -1])])
+        feed_ids = nxt
+    wall = time.perf_counter() - t0
+    return {"tok_s": sum(counts) / wall, "wall_s": wall, "min_tokens": min(counts), "max_tokens": max(counts)}
+
+
+def _run_ring(engine, n: int, tokens: int, prompts: list[str]) -> dict:
+    from engine.protocol.messages import GenerateRequest, SamplingParams
+
+    reqs = [GenerateRequest(f"b{time.monotonic_ns()}-{i}", prompt=prompts[i % len(prompts)],
+                            sampling=SamplingParams(max_tokens=tokens)) for i in range(n)]
+    finals: list[Any] = [None] * n
+
+    def drain(i: int, rid: str) -> None:
+        last = None
+        for ev in engine.stream(rid):
+            last = ev
+        finals[i] = last
+
+    t0 = time.perf_counter()
+    ids = [engine.submit(r) for r in reqs]
+    threads = [threading.Thread(target=drain, args=(i, rid)) for i, rid in enumerate(ids)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for f in finals:
+        if f is None or f.error:
+            raise RuntimeError(f"a pipeline request failed: {getattr(f, 'error', 'no answer')}")
+    counts = [f.usage.completion_tokens for f in finals]
+    return {"tok_s": sum(counts) / wall, "wall_s": wall, "min_tokens": min(counts), "max_tokens": max(counts)}
+
+
+def _setup_ring(state: dict, cmd: dict) -> None:
+    """Start the relays (network profiles), the 2 pinned stage workers and the coordinator."""
+    from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    log_dir = Path(cmd["log_dir"])
+    procs: list[subprocess.Popen] = state.setdefault("procs", [])
+    hosts = cmd.get("stage_hosts") or [cmd["host"]] * len(cmd["shards"])
+    links = []
+    for i, (shard, (start, end), core) in enumerate(zip(cmd["shards"], cmd["ranges"], cmd["cores"])):
+        argv = [*cmd["stage_prefix"][i], "taskset", "-c", str(core), sys.executable, "-m", "engine.pipeline.worker",
+                "--shard", shard, "--bind", f"tcp://{hosts[i]}:*", "--name", f"stage {i}",
+                "--threads", str(cmd["threads"]), "--cache-dir", cmd["blobs"], "--parent-pid", str(os.getpid())]
+        log_path = log_dir / f"stage-{i}-{os.getpid()}.log"
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, env=env,
+                                    cwd=str(REPO_ROOT), start_new_session=True)
+        procs.append(proc)
+        endpoint = _read_endpoint(proc, log_path)
+        links.append(StageLink(i, start, end, endpoint, proc=proc, log_path=log_path))
+    pcfg = dict(max_concurrent=int(cmd["max_concurrent"]), return_bind=f"tcp://{cmd['coord_host']}:*",
+                ready_timeout_s=300.0, ping_timeout_s=120.0)
+    relays = cmd.get("relays")
+    if relays:
+        # Each node's inbound sockets sit behind a delaying relay in its own namespace:
+        # the coordinator and the previous stage dial the relay, never the worker itself.
+        for i, link in enumerate(links):
+            link.endpoint = _start_relay(state, relays["prefix"][f"s{i}"], link.endpoint, relays["delay_ms"],
+                                         log_dir, env)
+        import zmq
+
+        probe = zmq.Context.instance().socket(zmq.ROUTER)  # reserve the return port, then hand it over
+        port = probe.bind_to_random_port(f"tcp://{cmd['coord_host']}")
+        probe.close(0)
+        real = f"tcp://{cmd['coord_host']}:{port}"
+        pcfg["return_bind"] = real
+        pcfg["return_endpoint"] = _start_relay(state, relays["prefix"]["c"], real, relays["delay_ms"], log_dir, env)
+    engine = PipelineEngine(links, Path(cmd["model_path"]), cmd["model_id"], PipelineConfig(**pcfg))
+    state["engine"] = engine
+
+
+def _start_relay(state: dict, prefix: list[str], target: str, delay_ms: float, log_dir: Path, env: dict) -> str:
+    """A delaying TCP relay next to `target` (same host, another port); returns its endpoint."""
+    host, port = target.removeprefix("tcp://").rsplit(":", 1)
+    argv = [*prefix, sys.executable, "-m", "engine.bench._netns", "relay", "--listen", f"{host}:0",
+            "--to", f"{host}:{port}", "--delay-ms", str(delay_ms)]
+    log_path = log_dir / f"relay-{host}-{port}.log"
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, env=env,
+                                cwd=str(REPO_ROOT), start_new_session=True)
+    state.setdefault("procs", []).append(proc)
+    return _read_endpoint(proc, log_path)
+
+
+def _read_endpoint(proc: subprocess.Popen, log_path: Path, timeout: float = 120.0) -> str:
+    """The first stdout line of a worker or relay: {"endpoint": ...}."""
+    import select
+
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"process {proc.pid} reported no address within {timeout:.0f} s (log: {log_path})")
+        ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.2))
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"process {proc.pid} exited while starting (log: {log_path})\n{_tail(log_path)}")
+            buf += chunk
+    proc.stdout.close()
+    return str(json.loads(buf.split(b"\n")[0])["endpoint"])
+
+
+def _teardown(state: dict) -> None:
+    engine = state.pop("engine", None)
+    if engine is not None:
+        try:
+            engine.close()
+        except Exception:
+            pass
+    for proc in reversed(state.pop("procs", [])):
+        _stop_group(proc)

@@ -1,0 +1,252 @@
+"""`flotilla bench shards`: decode latency of a split model against the whole one.
+
+The same random-weight Llama (built from a config, big enough that per-call
+overhead does not dominate) is exported three ways with `ensure_shard`:
+  whole        one shard [0, L) with fused stateful KV (beam_idx)
+  split        N contiguous shards with fused stateful KV
+  split_nofix  the same N shards exported with fuse_beam_idx=False
+All compiled models live in ONE process and hand hidden states to each other
+directly (no network): this isolates what cutting the graph costs. Every
+variant prefills the same `--context` tokens, then decodes; the variants
+alternate step by step (the order rotates every step) so drift of this shared
+machine hits all of them alike. A repeat's figure is the median step time
+after warm-up steps; reported figures are medians over repeats.
+
+Reported: split_over_whole (goal <= 1.05; the paper lost ~15% without the
+fix), split_over_whole_without_fix (unfused split vs fused whole),
+fused_sdpa_all_shards (every fused shard's compiled model has one fused
+SDPA-with-KV-cache node per layer), absolute ms, the model size, and the
+runtime op counts of one fused and one unfused shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+NAME = "shards"
+HELP = "pipeline shards: split-model decode latency vs the whole model (fused stateful KV on/off)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8 quick, 16 full)")
+    p.add_argument("--inter", type=int, default=None, help="FFN width (default 2.75 x hidden)")
+    p.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    p.add_argument("--kv-heads", type=int, default=4, help="K/V heads (default 4, GQA)")
+    p.add_argument("--stages", type=int, default=2, help="shards of the split model (default 2)")
+    p.add_argument("--context", type=int, default=256, help="prefill tokens before decoding (default 256)")
+    p.add_argument("--tokens", type=int, default=None, help="timed decode steps per repeat (default 16 quick, 32 full)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps per repeat (default 3)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats (default 5 quick, 9 full)")
+    p.add_argument("--threads", type=int, default=0, help="INFERENCE_NUM_THREADS per compiled model (0 = plugin default)")
+    p.add_argument("--exact", action="store_true", help="f32 inference and KV cache precision hints")
+
+
+def dense_recipe(hidden: int, layers: int, inter: int | None = None, heads: int = 16, kv_heads: int = 4):
+    """A compute-bound Llama built from its config with random weights (demo tokenizer)."""
+    from engine.models.demo import DemoRecipe
+
+    inter = inter or int(round(hidden * 2.75 / 64)) * 64
+    return DemoRecipe(
+        f"bench-llama-h{hidden}-l{layers}-i{inter}-a{heads}-kv{kv_heads}", "LlamaConfig",
+        dict(initializer_range=0.1, max_position_embeddings=4096, tie_word_embeddings=False,
+             hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+             num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5),
+        seed=31, description=f"benchmark Llama, {layers} layers, hidden {hidden} (random weights)",
+        tokenizer_of="demo",
+    )
+
+
+def split_ranges(total: int, stages: int) -> list[tuple[int, int]]:
+    """Even contiguous layer ranges, earlier stages taking the remainder."""
+    base, extra = divmod(total, stages)
+    ranges, start = [], 0
+    for i in range(stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def model_summary(path, recipe) -> dict[str, Any]:
+    """Size of a built model: parameters and f32 weight bytes (from safetensors)."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    weights = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+    return {"recipe": recipe.demo_id, "architecture": cfg.get("model_type"),
+            "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
+            "intermediate": cfg["intermediate_size"], "heads": cfg["num_attention_heads"],
+            "kv_heads": cfg["num_key_value_heads"], "vocab": cfg["vocab_size"],
+            "params_m": round(weights / 4 / 1e6, 1), "f32_weights_mb": round(weights / 1e6, 1)}
+
+
+def chain_step(streams, x, mask, positions) -> dict:
+    """One chunk through every stage of a chain; returns the last stage's outputs."""
+    import numpy as np
+
+    out: dict = {}
+    for i, stream in enumerate(streams):
+        feed = {"attention_mask": mask, "position_ids": positions}
+        feed["input_ids" if i == 0 else "hidden_states"] = x
+        out = stream.run(feed)
+        x = out.get("hidden_states_out")
+    assert x is None and "next_token" in out
+    return {"next_token": np.asarray(out["next_token"])}
+
+
+class Chain:
+    """One variant: its compiled shards and one stream (request + KV state) per shard."""
+
+    def __init__(self, name: str, runners: list):
+        self.name = name
+        self.runners = runners
+        self.streams = [r.new_stream() for r in runners]
+        self.length = 0
+        self.next = 0
+
+    def reset(self) -> None:
+        for s in self.streams:
+            s.reset()
+        self.length = 0
+
+    def prefill(self, ids) -> None:
+        import numpy as np
+
+        n = len(ids)
+        out = chain_step(self.streams, np.array([ids], np.int64), np.ones((1, n), np.int64),
+                         np.arange(n, dtype=np.int64)[None])
+        self.length, self.next = n, int(out["next_token"][0, -1])
+
+    def decode(self) -> float:
+        """One greedy decode step; returns its wall time in seconds."""
+        import numpy as np
+
+        x = np.array([[self.next]], np.int64)
+        mask = np.ones((1, self.length + 1), np.int64)
+        pos = np.array([[self.length]], np.int64)
+        t0 = time.perf_counter()
+        out = chain_step(self.streams, x, mask, pos)
+        dt = time.perf_counter() - t0
+        self.length += 1
+        self.next = int(out["next_token"][0, -1])
+        return dt
+
+
+def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    import numpy as np
+
+    from engine.models.demo import cache_root, ensure_recipe
+    from engine.pipeline.export import ShardRunner, _load_hf, ensure_shard, runtime_op_counts
+
+    quick = bool(args.quick)
+    layers = args.layers or (8 if quick else 16)
+    tokens = args.tokens or (16 if quick else 32)
+    repeats = args.repeats or (5 if quick else 9)
+    recipe = dense_recipe(args.hidden, layers, args.inter, args.heads, args.kv_heads)
+    report(f"building {recipe.demo_id} (first run only)")
+    path = ensure_recipe(recipe)
+    model = model_summary(path, recipe)
+    report(f"model: {model['params_m']} M params, {model['f32_weights_mb']} MB f32")
+
+    ranges = split_ranges(layers, args.stages)
+    hf = None
+
+    def shard(start: int, end: int, fuse: bool):
+        nonlocal hf
+        t = time.time()
+        info = ensure_shard(path, start, end, num_layers_total=layers, fuse_beam_idx=fuse, hf_model=hf)
+        if time.time() - t > 1:
+            report(f"  exported [{start}, {end}) fuse_beam_idx={fuse} in {time.time() - t:.1f} s")
+        return info
+
+    # Load the HF model only when some shard is missing from the cache.
+    from engine.pipeline.export import model_fingerprint, shard_cache_key, shard_cache_root
+    import openvino as ov
+
+    fp = model_fingerprint(path)
+    wanted = [(0, layers, True)] + [(s, e, True) for s, e in ranges] + [(s, e, False) for s, e in ranges]
+    if not quick:
+        wanted.append((0, layers, False))
+    if any(not (shard_cache_root() / shard_cache_key(fp, s, e, "f32", ov.get_version(), fuse_beam_idx=f)
+                / "shard.json").exists() for s, e, f in wanted):
+        report("exporting shards (first run only)")
+        hf = _load_hf(path)
+    infos = {(s, e, f): shard(s, e, f) for s, e, f in wanted}
+    hf = None
+
+    config: dict[str, Any] = {}
+    if args.threads:
+        config["INFERENCE_NUM_THREADS"] = int(args.threads)
+    core = ov.Core()
+    blobs = cache_root() / "ov-blobs"
+
+    def runner(key):
+        return ShardRunner(infos[key], exact=args.exact, cache_dir=blobs, core=core, config=config)
+
+    chains = [Chain("whole", [runner((0, layers, True))]),
+              Chain("split", [runner((s, e, True)) for s, e in ranges]),
+              Chain("split_nofix", [runner((s, e, False)) for s, e in ranges])]
+    if not quick:
+        chains.append(Chain("whole_nofix", [runner((0, layers, False))]))
+
+    fused = {c.name: [len(r.fused_sdpa_nodes()) for r in c.runners] for c in chains}
+    want = {c.name: [r.info.end - r.info.start for r in c.runners] for c in chains}
+    fused_all = fused["split"] == want["split"] and fused["whole"] == want["whole"]
+    report(f"fused SDPA nodes per shard: {fused} (layers {want['split']})")
+
+    import os
+
+    load_before = os.getloadavg()
+    rng = np.random.default_rng(0)
+    vocab = model["vocab"]
+    prompt = [int(t) for t in rng.integers(3, vocab, size=args.context)]
+    per_rep: dict[str, list[float]] = {c.name: [] for c in chains}
+    for rep in range(repeats):
+        times: dict[str, list[float]] = {c.name: [] for c in chains}
+        for c in chains:
+            c.reset()
+            c.prefill(prompt)
+        for step in range(args.warmup + tokens):
+            k = (rep + step) % len(chains)
+            for c in chains[k:] + chains[:k]:  # rotate who goes first
+                dt = c.decode()
+                if step >= args.warmup:
+                    times[c.name].append(dt)
+        for name, ts in times.items():
+            per_rep[name].append(statistics.median(ts) * 1e3)
+        report(f"  repeat {rep + 1}/{repeats}: " + "  ".join(f"{n} {per_rep[n][-1]:.2f} ms" for n in per_rep))
+
+    ms = {n: statistics.median(v) for n, v in per_rep.items()}
+    ratio = [s / w for s, w in zip(per_rep["split"], per_rep["whole"])]
+    ratio_nofix = [s / w for s, w in zip(per_rep["split_nofix"], per_rep["whole"])]
+    ops_fused = runtime_op_counts(chains[1].runners[0].compiled)
+    ops_nofix = runtime_op_counts(chains[2].runners[0].compiled)
+    keep = ("ScaledDotProductAttention", "MemoryInput", "MemoryOutput", "Gather", "Concatenation",
+            "MatMul", "FullyConnected", "Softmax")
+    out: dict[str, Any] = {
+        "model": model,
+        "stages": args.stages, "ranges": [list(r) for r in ranges],
+        "context_tokens": args.context, "timed_tokens_per_repeat": tokens, "warmup_tokens": args.warmup,
+        "repeats": repeats, "threads": args.threads or "default", "exact_f32": bool(args.exact),
+        "whole_ms": round(ms["whole"], 3),
+        "split_ms": round(ms["split"], 3),
+        "split_without_fix_ms": round(ms["split_nofix"], 3),
+        "split_over_whole": round(ms["split"] / ms["whole"], 4),
+        "split_over_whole_without_fix": round(ms["split_nofix"] / ms["whole"], 4),
+        "split_over_whole_per_repeat": [round(r, 4) for r in ratio],
+        "split_over_whole_without_fix_per_repeat": [round(r, 4) for r in ratio_nofix],
+        "fused_sdpa_all_shards": bool(fused_all),
+        "fused_sdpa_nodes": fused,
+        "runtime_ops_first_shard": {"fused": {k: ops_fused.get(k, 0) for k in keep},
+                                    "without_fix": {k: ops_nofix.get(k, 0) for k in keep}},
+        "loadavg": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        "goals": {"split_over_whole": 1.05},
+    }
+    if "whole_nofix" in ms:
+        out["whole_without_fix_ms"] = round(ms["whole_nofix"], 3)
+    return out

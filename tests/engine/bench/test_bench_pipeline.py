@@ -1,0 +1,113 @@
+"""`flotilla bench pipeline` on a tiny model: processes start, figures are sane, nothing is left behind.
+
+No speed assertions: the real figures come from running the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("openvino")
+pytest.importorskip("torch")
+pytest.importorskip("zmq")
+
+from engine.bench import _netns, pipeline  # noqa: E402
+from engine.cli.bench_cmd import scenarios  # noqa: E402
+
+TINY = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--tokens", "3",
+        "--repeats", "1", "--streams", "1,2"]
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None,
+                                     reason="needs 2 cores and taskset")
+
+
+def _args(extra: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    pipeline.add_arguments(p)
+    return p.parse_args(["--quick", *extra])
+
+
+def _my_children() -> list[str]:
+    """Command lines of live processes whose parent is this test process."""
+    me = str(os.getpid())
+    res = subprocess.run(["ps", "-eo", "ppid=,args="], capture_output=True, text=True)
+    return [ln for ln in res.stdout.splitlines() if ln.split(None, 1)[0] == me and "ps -eo" not in ln]
+
+
+def test_pipeline_scenario_is_discovered_and_private_modules_are_not():
+    found = scenarios()
+    assert found["pipeline"] is pipeline
+    assert "_netns" not in found
+
+
+@needs_two_cores
+def test_pipeline_bench_reports_sane_figures():
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    out = pipeline.run(_args([*TINY, "--cores", ",".join(map(str, cores))]), lambda _line: None)
+    json.dumps(out)
+    assert out["model"]["layers"] == 4 and out["ranges"] == [[0, 2], [2, 4]]
+    assert out["threads_per_process"] == 1 and out["cores"] == cores
+    for name in ("monolithic", "monolithic_engine", "pipeline_2stages"):
+        assert set(out["aggregate_tok_s"][name]) == {"1", "2"}
+        assert all(isinstance(v, float) and v > 0 for v in out["aggregate_tok_s"][name].values())
+    assert isinstance(out["speedup_2streams"], float) and out["speedup_2streams"] > 0
+    assert out["speedup_2streams"] == pytest.approx(
+        out["aggregate_tok_s"]["pipeline_2stages"]["2"] / out["aggregate_tok_s"]["monolithic"]["1"], rel=1e-2)
+    assert "network" not in out  # quick: loopback only
+    assert len(out["stage_compute_ms_mean"]) == 2
+    assert not [c for c in _my_children() if "engine.pipeline.worker" in c or "_child_main" in c]
+
+
+@pytest.mark.skipif(_netns.available() is not None, reason=str(_netns.available()))
+def test_netlab_is_private_and_removed_even_on_error():
+    tag = f"flbt{os.getpid()}"
+    with pytest.raises(RuntimeError, match="boom"):
+        with _netns.NetLab(["a", "b"], rate_mbit=300, tag=tag) as lab:
+            assert sorted(_netns.existing(tag)) == sorted([f"{tag}-br", f"{tag}-a", f"{tag}-b"])
+            assert lab.address("b") == "10.213.7.2"
+            # The node sees only its own veth (and lo), with a private address and the tbf shaper.
+            links = subprocess.run([*lab.exec_prefix("a"), "ip", "-o", "addr"], capture_output=True, text=True).stdout
+            assert "10.213.7.1/24" in links and "eth0" in links
+            qdisc = subprocess.run([*lab.exec_prefix("a"), "tc", "qdisc", "show", "dev", "eth0"],
+                                   capture_output=True, text=True).stdout
+            assert "tbf" in qdisc
+            raise RuntimeError("boom")
+    assert _netns.existing(tag) == []
+
+
+@pytest.mark.skipif(_netns.available() is not None, reason=str(_netns.available()))
+def test_relay_adds_the_delay_both_ways():
+    tag = f"flbr{os.getpid()}"
+    with _netns.NetLab(["a", "b"], tag=tag) as lab:
+        echo = subprocess.Popen([*lab.exec_prefix("b"), sys.executable, "-c", (
+            "import socket\ns=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "s.bind(('10.213.7.2', 7001)); s.listen(); print('up', flush=True); c, _ = s.accept()\n"
+            "while True:\n    d = c.recv(65536)\n    if not d: break\n    c.sendall(d)\n")],
+            stdout=subprocess.PIPE, text=True)
+        relay = subprocess.Popen([*lab.exec_prefix("b"), sys.executable, "-m", "engine.bench._netns", "relay",
+                                  "--listen", "10.213.7.2:0", "--to", "10.213.7.2:7001", "--delay-ms", "20"],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert echo.stdout.readline().strip() == "up"
+            port = json.loads(relay.stdout.readline())["endpoint"].rsplit(":", 1)[1]
+            probe = subprocess.run([*lab.exec_prefix("a"), sys.executable, "-c", (
+                "import socket, time\n"
+                f"s = socket.create_connection(('10.213.7.2', {port}))\n"
+                "t = time.perf_counter(); s.sendall(b'x' * 4096); n = 0\n"
+                "while n < 4096: n += len(s.recv(65536))\n"
+                "print((time.perf_counter() - t) * 1000)\n")], capture_output=True, text=True, timeout=30)
+            rtt = float(probe.stdout.strip())
+            assert 38 <= rtt < 400, rtt  # 20 ms each way, plus scheduling on a busy machine
+        finally:
+            relay.kill()
+            echo.kill()
+            relay.wait()
+            echo.wait()
+    assert _netns.existing(tag) == []

@@ -1,0 +1,52 @@
+"""`flotilla bench shards` on a tiny model: the JSON is complete and sane (no speed assertions)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+pytest.importorskip("openvino")
+pytest.importorskip("torch")
+
+from engine.bench import shards  # noqa: E402
+from engine.cli.bench_cmd import scenarios  # noqa: E402
+
+TINY = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "--context", "16",
+        "--tokens", "3", "--warmup", "1", "--repeats", "2"]
+
+
+def _args(extra: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    shards.add_arguments(p)
+    return p.parse_args(["--quick", *extra])
+
+
+def test_shards_scenario_is_discovered():
+    assert scenarios()["shards"] is shards
+
+
+def test_split_ranges_cover_every_layer():
+    assert shards.split_ranges(8, 2) == [(0, 4), (4, 8)]
+    assert shards.split_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
+
+
+def test_shards_bench_reports_sane_figures():
+    lines: list[str] = []
+    out = shards.run(_args(TINY), lines.append)
+    json.dumps(out)  # serialisable as the CLI writes it
+    assert out["model"]["layers"] == 4 and out["model"]["hidden"] == 64 and out["model"]["params_m"] > 0
+    assert out["ranges"] == [[0, 2], [2, 4]]
+    for key in ("whole_ms", "split_ms", "split_without_fix_ms", "split_over_whole",
+                "split_over_whole_without_fix"):
+        assert isinstance(out[key], float) and out[key] > 0, key
+    assert out["split_over_whole"] == pytest.approx(out["split_ms"] / out["whole_ms"], rel=1e-2)
+    assert len(out["split_over_whole_per_repeat"]) == 2
+    # Fusion is structural, not a speed: it must hold on any machine.
+    assert out["fused_sdpa_all_shards"] is True
+    assert out["fused_sdpa_nodes"] == {"whole": [4], "split": [2, 2], "split_nofix": [0, 0]}
+    ops = out["runtime_ops_first_shard"]
+    assert ops["fused"]["ScaledDotProductAttention"] == 2 and ops["without_fix"]["ScaledDotProductAttention"] == 0
+    assert any("repeat 2/2" in line for line in lines)
