@@ -17,6 +17,7 @@ the classic PySide pitfall where the slot silently runs in the worker thread.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,6 +36,7 @@ class Task(QObject):
 
     # Emitted from the worker thread; relayed to the public signals above.
     _item = Signal(object)
+    _batch = Signal()  # elements are waiting in _pending (one signal per burst)
     _result = Signal(object)
     _failed = Signal(object)
     _finished = Signal()
@@ -46,6 +48,9 @@ class Task(QObject):
         self.done = False  # set on the GUI thread once finished() fired
         queued = Qt.ConnectionType.QueuedConnection
         self._item.connect(self._on_item, queued)
+        self._batch.connect(self._on_batch, queued)
+        self._pending: collections.deque = collections.deque()
+        self._pending_lock = threading.Lock()
         self._result.connect(self._on_result, queued)
         self._failed.connect(self._on_failed, queued)
         self._finished.connect(self._on_finished, queued)
@@ -54,6 +59,18 @@ class Task(QObject):
     def report(self, value: Any) -> None:
         """Send a progress value to the GUI thread (arrives as item)."""
         self._item.emit(value)
+
+    def push(self, value: Any) -> None:
+        """Queue an element for the GUI thread (iterate jobs). A burst of
+        elements (tokens arrive hundreds a second) crosses to the GUI thread as
+        one queued call, not one each: fewer GIL hand-offs and event-loop
+        wake-ups, so the GUI thread does less while a stream runs at full speed.
+        Elements still arrive one item() each, in order, before result()."""
+        with self._pending_lock:
+            self._pending.append(value)
+            first = len(self._pending) == 1
+        if first:
+            self._batch.emit()
 
     def request_stop(self) -> None:
         """Ask an iterate() job to stop after the element it is waiting for.
@@ -68,6 +85,14 @@ class Task(QObject):
     @Slot(object)
     def _on_item(self, value: object) -> None:
         self.item.emit(value)
+
+    @Slot()
+    def _on_batch(self) -> None:
+        with self._pending_lock:
+            values = list(self._pending)
+            self._pending.clear()
+        for value in values:
+            self.item.emit(value)
 
     @Slot(object)
     def _on_result(self, value: object) -> None:
@@ -99,7 +124,7 @@ class _Job(QRunnable):
             out = self._fn()
             if self._iterate:
                 for value in out:
-                    task._item.emit(value)
+                    task.push(value)
                     if task.stop_requested:
                         break
                 task._result.emit(None)

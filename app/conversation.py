@@ -8,7 +8,7 @@ retrying does not send two user turns in a row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.protocol.messages import ChatMessage
 
@@ -21,12 +21,17 @@ class Turn:
     text: str = ""  # grows token by token while streaming
     state: str = DONE  # STREAMING, DONE, CANCELLED or ERROR (assistant turns)
     note: str = ""  # shown under the bubble: an error, "stopped", timings
+    stats: dict = field(default_factory=dict)  # ttft_s, tok_s, tokens, engine, plan
+    message_id: int | None = None  # its row in the ChatStore, once saved
 
 
 class Conversation:
-    def __init__(self, system_prompt: str | None = None) -> None:
+    def __init__(self, system_prompt: str | None = None, conversation_id: str | None = None,
+                 title: str = "New chat") -> None:
         self.system_prompt = system_prompt  # sent first if set, never shown
         self.turns: list[Turn] = []
+        self.id = conversation_id  # its ChatStore id (None = not saved)
+        self.title = title
 
     def add_user(self, text: str) -> Turn:
         turn = Turn("user", text)
@@ -47,6 +52,12 @@ class Conversation:
 
     def clear(self) -> None:
         self.turns.clear()
+
+    def last_user_index(self) -> int | None:
+        for i in range(len(self.turns) - 1, -1, -1):
+            if self.turns[i].role == "user":
+                return i
+        return None
 
     def messages(self) -> tuple[ChatMessage, ...]:
         """What the next GenerateRequest carries: the whole conversation."""

@@ -14,13 +14,13 @@ from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 
 from app import style
-from app.chat_window import ChatWindow
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="flotilla", description="Flotilla desktop app")
-    parser.add_argument("--model", default="demo",
-                        help="demo id, model folder or hub id (default: demo)")
+    parser.add_argument("--model", default=None,
+                        help="demo id, model folder or hub id (default: the last one used, "
+                             "demo on a first start)")
     parser.add_argument("--device", default="CPU", help="OpenVINO device (default: CPU)")
     # Whatever we do not know (-platform, -style...) is for Qt.
     return parser.parse_known_args(argv)
@@ -50,6 +50,31 @@ def _display_available(qt_args: list[str]) -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
+def folders() -> tuple:
+    """(config folder, data folder): $FLOTILLA_DATA, else the data folder chosen
+    in Settings, else the platform's (platformdirs)."""
+    from pathlib import Path
+
+    from app.settings import AppSettings
+    from engine import client
+
+    config = client.config_dir()
+    chosen = AppSettings.load(config).data_folder
+    if chosen and not os.environ.get("FLOTILLA_DATA"):
+        data = Path(chosen)
+        data.mkdir(parents=True, exist_ok=True)
+    else:
+        data = client.data_dir()
+    return config, data
+
+
+def create_window(model: str | None = None, device: str = "CPU", open_engine: bool = True):
+    from app.main_window import MainWindow
+
+    config, data = folders()
+    return MainWindow(config, data, model, device, open_engine)
+
+
 def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, qt_args = _parse(argv)
@@ -74,7 +99,7 @@ def run(argv: list[str] | None = None) -> int:
               "None and would crash); use Python 3.12+ or PySide6-Essentials 6.11.", file=sys.stderr)
         return 2
 
-    window = ChatWindow(args.model, args.device)
+    window = create_window(args.model, args.device)
     window.show()
     code = app.exec()
     # closeEvent already waited for the engine to close; this only catches a

@@ -1,10 +1,19 @@
-"""Qt tests run headless. This must happen before anything imports Qt, and
-conftest files load before the test modules that do."""
+"""Qt tests run headless, in a private config and data folder.
+
+The environment must be set before anything imports Qt or reads a folder,
+and conftest files load before the test modules that do.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Force offscreen even if the shell exports xcb: tests must not need a display.
 # FLOTILLA_TEST_QPA=xcb lets a developer watch the tests under a real display.
 os.environ["QT_QPA_PLATFORM"] = os.environ.get("FLOTILLA_TEST_QPA", "offscreen")
+# Conversations, settings, peers and the sharing policy of the tests never
+# touch the user's own (FLOTILLA_DATA / FLOTILLA_CONFIG are read at use).
+_HOME = tempfile.mkdtemp(prefix="flotilla-apptest-")
+os.environ["FLOTILLA_DATA"] = os.path.join(_HOME, "data")
+os.environ["FLOTILLA_CONFIG"] = os.path.join(_HOME, "config")

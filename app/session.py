@@ -1,0 +1,169 @@
+"""The engine the whole app talks to: one at a time, shared by every chat
+window, the plan editor (which launches it) and the API server (which serves it).
+
+A small state machine, driven from the GUI thread; every engine call runs on
+the Runner (app.background), so the GUI only reacts to signals:
+
+    idle --open/launch--> opening --ok--> ready --open/launch--> opening ...
+                             \\--error--> failed         any --shutdown--> closing
+
+A newer open supersedes an older one (its engine is closed when it arrives).
+A replaced engine is closed in the background; answers still streaming on it
+end with the engine's "closed" error event, which the chat shows.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from PySide6.QtCore import QObject, Signal
+
+from app.background import Runner
+from engine import client
+
+IDLE, OPENING, READY, FAILED, CLOSING = "idle", "opening", "ready", "failed", "closing"
+
+
+def _open(spec: str, kind: str, device: str, settings: dict, progress) -> tuple:
+    engine = client.open_engine(spec, device=device, progress=progress, kind=kind, **settings)
+    return engine, engine.info  # read info here too: it is an engine call
+
+
+def _launch(spec: str, ranges: list, device: str, context_length, streams: int,
+            cancel: threading.Event, progress) -> tuple:
+    engine = client.launch_pipeline(spec, ranges, device=device, context_length=context_length,
+                                    streams=streams, step=lambda s: progress(s), cancel=cancel)
+    return engine, engine.info
+
+
+class EngineSession(QObject):
+    changed = Signal()  # state, engine or description changed
+    progress = Signal(str, float)  # while opening: what is happening, 0..1
+    launch_step = Signal(object)  # client.LaunchStep while a pipeline launches
+    failed = Signal(str)  # an open or launch failed: the reason
+    closed = Signal()  # shutdown() finished
+
+    def __init__(self, runner: Runner, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.runner = runner
+        self.state = IDLE
+        self.engine: client.Engine | None = None
+        self.info: client.EngineInfo | None = None
+        self.spec = ""
+        self.kind = "local"
+        self.plan_text = ""  # "2 stages: 0–4 | 4–8" for a pipeline, "" otherwise
+        self.error = ""  # why the last open failed
+        self._generation = 0
+        self._cancel: threading.Event | None = None
+
+    # -- reading ------------------------------------------------------------------
+    def label(self) -> str:
+        """'demo · local · CPU' (what the chat stats and status bar show)."""
+        if self.info is None:
+            return self.spec or "no engine"
+        return f"{self.info.model_id} · {self.info.engine} · {self.info.device}"
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == READY and self.engine is not None
+
+    # -- opening ------------------------------------------------------------------
+    def open(self, spec: str, kind: str = "local", device: str = "CPU", **settings) -> None:
+        """Replace the engine with `kind` on `spec` (settings: context_length,
+        streams, cache_budget_bytes)."""
+        self._begin(spec, kind, "")
+        generation = self._generation
+        task = self.runner.call(_open, spec, kind, device, settings, report_to="progress", name="open")
+        task.item.connect(lambda v: self._on_progress(generation, v))
+        task.result.connect(lambda res: self._on_opened(generation, res))
+        task.failed.connect(lambda exc: self._on_failed(generation, exc))
+
+    def launch_pipeline(self, spec: str, ranges: list[tuple[int, int]], device: str = "CPU",
+                        context_length: int | None = None, streams: int = 4) -> None:
+        """Start a local pipeline (one worker process per range) and make it the engine."""
+        text = f"{len(ranges)} stages: " + " | ".join(f"{a}–{b}" for a, b in ranges)
+        self._begin(spec, "pipeline", text)
+        generation = self._generation
+        self._cancel = cancel = threading.Event()
+        task = self.runner.call(_launch, spec, list(ranges), device, context_length, streams, cancel,
+                                report_to="progress", name="launch")
+        task.item.connect(lambda v: self._on_step(generation, v[0]))
+        task.result.connect(lambda res: self._on_opened(generation, res))
+        task.failed.connect(lambda exc: self._on_failed(generation, exc))
+
+    def cancel_launch(self) -> None:
+        """Stop a pipeline launch: every stage process is stopped; the state becomes failed."""
+        if self._cancel is not None and self.state == OPENING:
+            self._cancel.set()
+
+    def _begin(self, spec: str, kind: str, plan_text: str) -> None:
+        self._generation += 1
+        if self._cancel is not None:
+            self._cancel.set()  # a launch still running is superseded
+        if self.engine is not None:
+            self._close_async(self.engine)
+        self.engine = self.info = None
+        self.spec, self.kind, self.plan_text, self.error = spec, kind, plan_text, ""
+        self._set(OPENING)
+
+    def _on_progress(self, generation: int, values: tuple) -> None:
+        if generation == self._generation and self.state == OPENING:
+            message, fraction = (list(values) + ["", 0.0])[:2]
+            self.progress.emit(str(message), float(fraction or 0.0))
+
+    def _on_step(self, generation: int, step: client.LaunchStep) -> None:
+        if generation == self._generation and self.state == OPENING:
+            self.launch_step.emit(step)
+            self.progress.emit(f"stage {step.stage}: {step.message}", step.fraction)
+
+    def _on_opened(self, generation: int, res: tuple) -> None:
+        engine, info = res
+        if generation != self._generation or self.state == CLOSING:
+            self._close_async(engine)  # superseded, or the app is leaving
+            return
+        self._cancel = None
+        self.engine, self.info = engine, info
+        self._set(READY)
+
+    def _on_failed(self, generation: int, exc: BaseException) -> None:
+        if generation != self._generation or self.state == CLOSING:
+            return
+        self._cancel = None
+        cancelled = isinstance(exc, client.LaunchCancelled)
+        self.error = "launch cancelled" if cancelled else (str(exc) or type(exc).__name__)
+        self._set(FAILED)
+        self.failed.emit(self.error)
+
+    def mark_broken(self, reason: str) -> None:
+        """An answer reported the engine unusable (a stage process died)."""
+        if self.state == READY:
+            self.error = reason
+            engine, self.engine = self.engine, None
+            if engine is not None:
+                self._close_async(engine)  # stops the stage processes still alive
+            self._set(FAILED)
+            self.failed.emit(reason)
+
+    # -- closing ------------------------------------------------------------------
+    def _close_async(self, engine: client.Engine) -> None:
+        task = self.runner.call(engine.close, name="close")
+        task.failed.connect(lambda exc: None)  # closing is best effort
+
+    def shutdown(self) -> None:
+        """Close the engine in the background; `closed` fires when it is done."""
+        if self.state == CLOSING:
+            return
+        self._generation += 1
+        if self._cancel is not None:
+            self._cancel.set()
+        engine, self.engine, self.info = self.engine, None, None
+        self._set(CLOSING)
+        if engine is None:
+            self.closed.emit()
+            return
+        task = self.runner.call(engine.close, name="close")
+        task.finished.connect(self.closed.emit)
+
+    def _set(self, state: str) -> None:
+        self.state = state
+        self.changed.emit()
