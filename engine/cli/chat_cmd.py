@@ -16,7 +16,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--prompt", help="answer this one prompt and exit (default: an interactive chat)")
     p.add_argument("--system", help="a system prompt")
     add_sampling_arguments(p)
+    add_speculative_arguments(p)
     p.set_defaults(func=cmd_chat)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=("draft", "lookup", "off"), default="off",
+                   help="speculative decoding: a small draft model, prompt lookup (n-grams), or off (default); "
+                        "answers are the same, only faster (docs/speculative.md)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model for --speculative draft: demo id or folder sharing the model's tokenizer "
+                        "(default: the model's known draft, e.g. demo-draft for demo)")
+    p.add_argument("--spec-k", type=int, default=4,
+                   help="drafted tokens per step; adapted to the acceptance rate up to max(k, 8) (default 4)")
+    p.add_argument("--spec-fixed-k", action="store_true", help="keep --spec-k fixed (no adaptation)")
+
+
+def speculative_from_args(args: argparse.Namespace):
+    """The engine's SpecConfig from the CLI (None when off and no draft model was named)."""
+    from engine.cli.errors import UserError
+    from engine.speculative.config import SpecConfig
+
+    mode = getattr(args, "speculative", "off")
+    if mode == "off" and not getattr(args, "draft_model", None):
+        return None
+    try:
+        return SpecConfig(mode=mode, k=args.spec_k, adaptive=not args.spec_fixed_k,
+                          draft_model=args.draft_model)
+    except ValueError as e:
+        raise UserError(f"--spec-k: {e}") from None
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,8 +86,10 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 def open_engine_from_args(args: argparse.Namespace):
     from engine.serve.factory import EngineOptions, open_engine
 
+    spec = speculative_from_args(args)
     options = EngineOptions(device=args.device, precision=args.precision, backend=args.backend,
-                            cache_budget_bytes=args.cache_budget)
+                            cache_budget_bytes=args.cache_budget,
+                            extra={"speculative": spec} if spec is not None else {})
     progress = TerminalProgress()
     try:
         return open_engine(args.model, kind=args.engine, options=options, progress=progress)

@@ -15,7 +15,8 @@ import argparse
 import signal
 import sys
 
-from engine.cli.chat_cmd import _answer, add_sampling_arguments, sampling_from_args
+from engine.cli.chat_cmd import (_answer, add_sampling_arguments, add_speculative_arguments, sampling_from_args,
+                                 speculative_from_args)
 from engine.cli.errors import UserError
 from engine.cli.progress import TerminalProgress
 from engine.protocol.messages import ChatMessage
@@ -34,9 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="OpenVINO inference threads per stage (default: the plugin's choice)")
     p.add_argument("--max-streams", type=int, default=8, help="streams in the ring at once (default 8)")
+    p.add_argument("--plaintext", action="store_true",
+                   help="no CURVE between the local stages (loopback only; default: encrypted like a fleet)")
     p.add_argument("-p", "--prompt", help="answer this one prompt and exit (default: an interactive chat)")
     p.add_argument("--system", help="a system prompt")
     add_sampling_arguments(p)
+    add_speculative_arguments(p)
     p.set_defaults(func=cmd_pipeline)
 
 
@@ -51,7 +55,8 @@ def fleet_config_from_args(args: argparse.Namespace):
     if args.stages < 1:
         raise UserError("--stages must be at least 1")
     return FleetConfig(model=args.model, stages=args.stages, split=split, exact=args.exact, device=args.device,
-                       weights=args.weights, threads=args.threads, max_concurrent=args.max_streams)
+                       weights=args.weights, threads=args.threads, max_concurrent=args.max_streams,
+                       curve=not getattr(args, "plaintext", False))
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
@@ -64,7 +69,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     progress = TerminalProgress()
     try:
-        engine = launch_pipeline(cfg, progress)
+        engine = launch_pipeline(cfg, progress, speculative=speculative_from_args(args))
     except PlanError as e:
         raise UserError(str(e)) from None
     finally:

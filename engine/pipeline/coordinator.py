@@ -15,9 +15,17 @@ LocalEngine does. Greedy requests get the token id from the last stage;
 requests that sample (temperature > 0 or a repetition penalty) get the
 last-position logits row and sample here with their own RNG.
 
+Speculative decoding (engine/pipeline/speculative.py) hooks in at three
+points: admission opens a stream's speculation, _send_step lets it build a
+verify step ([pending, d1..dk] with mask-rollback fields), and _on_result
+hands a verify step's answer to _on_spec_result, which emits 1..k+1 tokens.
+
 Failures: an ErrorReply about a stream ends that stream with an error event.
 A stage process that exits (polled every liveness_interval_s) or stops
-answering pings (ping_timeout_s) breaks the ring: every request ends with an
+answering pings (ping_timeout_s) breaks the ring -- unless recovery is
+enabled (enable_recovery; launch_pipeline does it): then engine/pipeline/
+recovery.py re-plans, re-wires and replays every stream, and only when that
+is impossible the ring breaks: every request ends with an
 error event naming the stage, and new submits are refused with that reason.
 """
 
@@ -38,6 +46,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import zmq
 
+from engine.pipeline.health import tune_data_socket
 from engine.protocol import ErrorReply, ProtocolError, decode_frames, encode_frames
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.protocol.pipeline import (
@@ -66,10 +75,15 @@ class PipelineConfig:
     return_bind: str = "tcp://127.0.0.1:*"  # where the last stage sends results (* = a free port)
     return_endpoint: str | None = None  # the address the last stage dials, when return_bind's host is a wildcard
     ready_timeout_s: float = 120.0  # every stage must answer its StageConfigure within this
-    ping_interval_s: float = 1.0  # health pings to every stage
-    ping_timeout_s: float = 30.0  # no pong for this long = the stage is gone (a busy worker answers late)
+    ping_interval_s: float = 0.5  # health pings to every stage
+    # no pong for this long = the stage is gone; workers answer while computing (health.py), so a
+    # short timeout gives no false alarms during long prefill chunks; detection <= timeout + 0.2 s
+    ping_timeout_s: float = 2.5
     liveness_interval_s: float = 0.2  # how often local stage processes are polled for exit
     device: str = "CPU"  # shown in EngineInfo
+    # CURVE on every data socket: an engine.fleet.curve_data.CurveEnd (the coordinator's keys);
+    # each StageLink then needs its server_key. None = plaintext (the local runner, when asked).
+    curve: Any = None
 
 
 @dataclass
@@ -83,6 +97,7 @@ class StageLink:
     proc: Any = None  # a Popen-like (poll(), pid) when this side owns the process
     log_path: Path | None = None  # the worker's log, quoted when it crashes
     pid: int | None = None  # learnt from its pong when there is no proc
+    server_key: str = ""  # the worker's CURVE public key (its agent's); "" = plaintext
 
     @property
     def label(self) -> str:
@@ -120,6 +135,7 @@ class _Flight:
     past: int = 0  # tokens in its KV state on every stage
     in_flight: int = 0  # tokens of the step now in the ring; 0 = none
     sent_at: float = 0.0  # perf_counter when that step left
+    spec: Any = None  # engine.pipeline.speculative.StreamSpeculation, or None (no speculation)
 
 
 @dataclass
@@ -134,7 +150,7 @@ class _Stats:
 class PipelineEngine(Engine):
     def __init__(self, stages: Sequence[StageLink], model_dir: Path, model_id: str,
                  config: PipelineConfig = PipelineConfig(), on_close: Callable[[], None] | None = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, speculative: Any = None) -> None:
         super().__init__()
         if not stages:
             raise EngineError("a pipeline needs at least one stage")
@@ -155,6 +171,11 @@ class PipelineEngine(Engine):
         trained = context_from_config(Path(model_dir))
         self.context_length = min(config.context_length, trained) if config.context_length else trained
         self.vocab_size = _config_vocab(Path(model_dir)) or len(tokenizer)
+        from engine.pipeline.speculative import RingSpeculation
+        from engine.speculative.config import SpecConfig
+
+        # speculation defaults (speculative: a SpecConfig); a request's field overrides them
+        self.spec = RingSpeculation(speculative or SpecConfig(), model_id, self.vocab_size, config.device)
         self.stats = _Stats(stage_ms=[0.0] * len(self.stages))
         self._inbox: queue.SimpleQueue[tuple[GenerateRequest, float]] = queue.SimpleQueue()
         self._cancelled: set[str] = set()  # request ids, guarded by self._lock
@@ -173,6 +194,9 @@ class PipelineEngine(Engine):
         self._wake_tx.setsockopt(zmq.SNDHWM, 1)
         self._wake_tx.connect(wake_addr)
         self._thread: threading.Thread | None = None
+        from engine.pipeline.recovery import RingRecovery
+
+        self.recovery = RingRecovery(self)  # disabled until enable_recovery() gives it a provider
         try:
             self._open_sockets()
             self._configure_ring()
@@ -190,10 +214,33 @@ class PipelineEngine(Engine):
         """The last pong of every stage (queue depth, streams, compute ms)."""
         return dict(self.stats.pongs)
 
+    # -- reliability (engine/pipeline/recovery.py) -------------------------------
+    @property
+    def max_concurrent(self) -> int:
+        return self.config.max_concurrent
+
+    def enable_recovery(self, provider: Any, config: Any = None) -> None:
+        """Replace lost stages instead of failing: provider.replan(RingLoss) -> new ring
+        (a RingProvider, or a plain callable); config: a recovery.RecoveryConfig."""
+        self.recovery.set_provider(provider, config)
+
+    def migrate_stage(self, index: int, reason: str = "the peer is needed by its user") -> Any:
+        """Hand stage `index` over to a replacement while it still serves (a peer's user
+        returned). Returns a concurrent.futures.Future of the RecoveryRecord: the peer may
+        stop once it resolves."""
+        return self.recovery.migrate(index, reason)
+
+    def _health(self) -> tuple[str, str]:
+        return self.recovery.status()
+
     # -- setup -------------------------------------------------------------------
     def _open_sockets(self) -> None:
         self.ret = self._ctx.socket(zmq.ROUTER)
         self.ret.setsockopt(zmq.LINGER, 0)
+        tune_data_socket(self.ret)  # ZMTP heartbeats (engine/pipeline/health.py)
+        curve = self.config.curve
+        if curve is not None:  # the return socket admits the stages' keys only
+            self._zap = curve.serve(self._ctx, self.ret, [link.server_key for link in self.stages])
         self.ret.bind(self.config.return_bind)
         self.return_endpoint = self.config.return_endpoint or self.ret.getsockopt_string(zmq.LAST_ENDPOINT)
         me = COORD_IDENTITY + b"-" + uuid.uuid4().hex[:12].encode()
@@ -203,6 +250,9 @@ class PipelineEngine(Engine):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IDENTITY, me)
             s.setsockopt(zmq.SNDHWM, 0)  # the ring bounds what we queue: one step per stream
+            tune_data_socket(s)
+            if curve is not None:
+                curve.client(s, link.server_key)
             s.connect(link.endpoint)
             self.ctl.append(s)
 
@@ -211,7 +261,9 @@ class PipelineEngine(Engine):
         n = len(self.stages)
         for i, link in enumerate(self.stages):
             nxt = self.stages[i + 1].endpoint if i + 1 < n else self.return_endpoint
-            self._send(i, StageConfigure(nxt, i, n, f"stage {i}"))
+            key = (self.stages[i + 1].server_key if i + 1 < n else
+                   self.config.curve.public if self.config.curve is not None else "")
+            self._send(i, StageConfigure(nxt, i, n, f"stage {i}", next_key=key))
         waiting = set(range(n))
         deadline = time.monotonic() + self.config.ready_timeout_s
         poller = zmq.Poller()
@@ -240,6 +292,8 @@ class PipelineEngine(Engine):
             for s in [getattr(self, "ret", None), *getattr(self, "ctl", []), self._wake_rx, self._wake_tx]:
                 if s is not None:
                     s.close(0)
+            if getattr(self, "_zap", None) is not None:
+                self._zap.stop()  # before term(): its socket lives in this context
             self._ctx.term()
 
     # -- Engine hooks ------------------------------------------------------------
@@ -261,6 +315,7 @@ class PipelineEngine(Engine):
         if self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
         self._close_sockets()
+        self.spec.close()
         if self._on_close is not None:
             self._on_close()
 
@@ -277,8 +332,10 @@ class PipelineEngine(Engine):
     def _run(self) -> None:
         waiting: collections.deque[tuple[GenerateRequest, float]] = collections.deque()
         active: dict[str, _Flight] = {}  # stream id -> flight, in admission order
+        self._active = active  # for recovery (re-keys and replays flights)
         self._to_free: list[str] = []
         poller = zmq.Poller()
+        self._poller = poller  # recovery swaps the control sockets registered here
         poller.register(self.ret, zmq.POLLIN)
         for s in self.ctl:
             poller.register(s, zmq.POLLIN)
@@ -357,10 +414,24 @@ class PipelineEngine(Engine):
                                   usage=Usage(0, 0)))
             return None
         s = request.sampling
-        return _Flight(gen, f"s{next(self._ids)}", sample=s.temperature > 0 or s.repetition_penalty != 1.0)
+        try:
+            spec = self.spec.open(request, gen)
+        except Exception as e:
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+                                  usage=Usage(0, 0)))
+            return None
+        return _Flight(gen, f"s{next(self._ids)}", sample=s.temperature > 0 or s.repetition_penalty != 1.0,
+                       spec=spec)
 
     def _send_step(self, f: _Flight) -> None:
+        if self.recovery.hold_send(f):  # paused by a recovery, or a replay chunk sent
+            return
         gen = f.gen
+        if f.spec is not None and f.spec.ready(gen):  # a speculative verify step
+            step, ids = f.spec.build(f)
+            f.in_flight, f.sent_at = ids.shape[1], time.perf_counter()
+            self._send(0, step, [ids])  # token ids [1, k+1]
+            return
         prompt = gen.prompt_ids
         if gen.prefilled < len(prompt):
             ids = prompt[gen.prefilled:gen.prefilled + gen.chunk]
@@ -395,6 +466,8 @@ class PipelineEngine(Engine):
                 log.warning("pipeline: unexpected %s from a stage", msg.KIND)
 
     def _on_result(self, active: dict[str, _Flight], msg: StageResult, tensors: list[np.ndarray]) -> None:
+        if self.recovery.take_result(active, msg):  # dropped during a recovery, or a replay chunk
+            return
         f = active.get(msg.stream_id)
         if f is None or not f.in_flight or msg.seq != f.seq:
             return  # a late answer for a cancelled or finished stream
@@ -406,6 +479,9 @@ class PipelineEngine(Engine):
         f.seq += 1
         f.past += n
         f.in_flight = 0
+        if f.spec is not None and f.spec.is_verify_result(f, msg):
+            self._on_spec_result(active, f, msg, tensors, n)
+            return
         if gen.prefilled < len(gen.prompt_ids):
             gen.prefilled += n
             if msg.token is None and gen.prefilled < len(gen.prompt_ids):
@@ -428,6 +504,25 @@ class PipelineEngine(Engine):
         else:
             gen.pending = token
             self._emit(TokenEvent(gen.request_id, text=delta.text, token_ids=(token,)))
+
+    def _on_spec_result(self, active: dict[str, _Flight], f: _Flight, msg: StageResult,
+                        tensors: list[np.ndarray], n: int) -> None:
+        """A verify step of n positions is back: emit the tokens it settled."""
+        from engine.speculative.session import emit_tokens
+
+        gen = f.gen
+        gen.pending = None
+        try:
+            tokens = f.spec.on_result(f, msg, tensors, n)
+        except ValueError as e:
+            self._end(active, f, finished(gen, "error", error=str(e)))
+            return
+        event = emit_tokens(gen, tokens)
+        self.stats.tokens += len(event.token_ids)
+        if event.final:
+            self._end(active, f, event)
+        else:
+            self._emit(event)
 
     def _pick(self, f: _Flight, msg: StageResult, tensors: list[np.ndarray]) -> int:
         if f.sample:
@@ -455,6 +550,11 @@ class PipelineEngine(Engine):
             self.stages[index].pid = msg.pid
 
     def _end(self, active: dict[str, _Flight], f: _Flight, event: TokenEvent) -> None:
+        if f.spec is not None:
+            try:
+                f.spec.close()
+            except Exception:  # never let speculation bookkeeping keep a request from ending
+                log.exception("pipeline: closing the speculation of %s failed", f.stream_id)
         active.pop(f.stream_id, None)
         self._to_free.append(f.stream_id)
         self._emit(event)
@@ -480,6 +580,9 @@ class PipelineEngine(Engine):
         return f"{why}: {tail}" if tail else why
 
     def _check_liveness(self) -> None:
+        if self.recovery.enabled:  # detection + re-plan + replay (engine/pipeline/recovery.py)
+            self.recovery.tick()
+            return
         if self._broken:
             return
         for link in self.stages:

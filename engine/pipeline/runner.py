@@ -15,7 +15,9 @@ Steps, each of which can fail with a clear message before the next starts:
    binding a free port it reports on stdout, in its own session (Ctrl-C in
    the terminal reaches only us), watching our pid so it exits if we die.
 4. wire: PipelineEngine tells each stage its next hop and waits until all
-   answer (shards compiled).
+   answer (shards compiled). Every data socket is CURVE-encrypted with
+   throw-away keys (engine/fleet/curve_data.py), as on a real fleet, unless
+   FleetConfig.curve is False (`flotilla pipeline --plaintext`).
 stop() (also on close, at exit and on any launch error) sends SIGTERM to each
 process group, then SIGKILL after a grace period: no orphans.
 """
@@ -23,6 +25,7 @@ process group, then SIGKILL after a grace period: no orphans.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -63,6 +66,9 @@ class FleetConfig:
     host: str = "127.0.0.1"  # where workers bind; loopback keeps the data plane private
     ready_timeout_s: float = 180.0  # every stage must be loaded and wired within this
     log_dir: Path | None = None  # worker logs; None = a temporary folder
+    recover: bool = True  # a lost stage is restarted and every stream replayed (engine/pipeline/recovery.py)
+    spares: int = 1  # warm standby processes that take over a lost stage in ~1 s (engine/pipeline/standby.py)
+    curve: bool = True  # CURVE-encrypt every data socket (throw-away keys); False = plaintext, loopback only
 
 
 def parse_split(text: str) -> tuple[tuple[int, int], ...]:
@@ -137,6 +143,7 @@ class LocalFleet:
         self.procs: list[subprocess.Popen] = []
         self.links: list[StageLink] = []
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="flotilla-pipeline-"))
+        self.ring_keys: Any = None  # engine.fleet.curve_data.LocalRingKeys when cfg.curve
         self._stopped = False
 
     # -- export ------------------------------------------------------------------
@@ -174,6 +181,10 @@ class LocalFleet:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         blobs = cache_root() / "ov-blobs"
+        if self.cfg.curve:
+            from engine.fleet.curve_data import LocalRingKeys
+
+            self.ring_keys = LocalRingKeys(len(infos))
         for i, info in enumerate(infos):
             cmd = [sys.executable, "-m", "engine.pipeline.worker", "--shard", str(info.path),
                    "--bind", f"tcp://{self.cfg.host}:*", "--name", f"stage {i}", "--device", self.cfg.device,
@@ -182,6 +193,8 @@ class LocalFleet:
                 cmd.append("--exact")
             if self.cfg.threads:
                 cmd += ["--threads", str(self.cfg.threads)]
+            if self.ring_keys is not None:
+                cmd += ["--curve", str(self.ring_keys.curve_files[i])]
             log_path = self.log_dir / f"stage-{i}.log"
             with open(log_path, "ab") as logf:
                 # Own session/process group: a terminal Ctrl-C reaches only us; we stop them.
@@ -190,7 +203,8 @@ class LocalFleet:
                                         creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
             self.procs.append(proc)
             st = self.plan.stages[i]
-            self.links.append(StageLink(i, st.start, st.end, "", proc=proc, log_path=log_path))
+            self.links.append(StageLink(i, st.start, st.end, "", proc=proc, log_path=log_path,
+                                        server_key=self.ring_keys.public_keys[i] if self.ring_keys else ""))
         for link in self.links:
             link.endpoint = self._read_bound(link)
         return self.links
@@ -235,6 +249,8 @@ class LocalFleet:
             except subprocess.TimeoutExpired:
                 _signal(p, signal.SIGKILL)
                 p.wait()
+        if self.ring_keys is not None:
+            self.ring_keys.cleanup()
 
 
 class PipelineLaunchError(RuntimeError):
@@ -252,7 +268,7 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 
 
 def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
-                    engine_config: PipelineConfig | None = None) -> PipelineEngine:
+                    engine_config: PipelineConfig | None = None, speculative: Any = None) -> PipelineEngine:
     """Plan, export, start and wire a local pipeline; engine.close() stops it.
 
     Raises PlanError before anything launches when the plan cannot run, and
@@ -269,7 +285,10 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
             max_concurrent=cfg.max_concurrent, prefill_chunk=cfg.prefill_chunk,
             context_length=fleet.context_length, return_bind=f"tcp://{cfg.host}:*",
             ready_timeout_s=cfg.ready_timeout_s, device=cfg.device)
-        engine = PipelineEngine(links, fleet.model_path, fleet.resolved.model_id, pcfg, on_close=fleet.stop)
+        if fleet.ring_keys is not None and pcfg.curve is None:
+            pcfg = dataclasses.replace(pcfg, curve=fleet.ring_keys.coordinator)
+        engine = PipelineEngine(links, fleet.model_path, fleet.resolved.model_id, pcfg, on_close=fleet.stop,
+                                speculative=speculative)  # a SpecConfig (engine/speculative)
         if progress:
             progress(f"{len(infos)} stages ready", 1.0)
     except PipelineLaunchError as e:
@@ -279,11 +298,17 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
         fleet.stop()
         raise
     engine.fleet = fleet  # type: ignore[attr-defined]  # for status displays and tests
+    if cfg.recover:
+        from engine.pipeline.standby import LocalRingProvider
+
+        fleet.infos = infos  # type: ignore[attr-defined]
+        engine.enable_recovery(LocalRingProvider(fleet, spares=cfg.spares))
     return engine
 
 
 def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = None) -> PipelineEngine:
-    """engine.serve.factory opener: options.extra may carry stages, split, threads, max_concurrent."""
+    """engine.serve.factory opener: options.extra may carry stages, split, threads, max_concurrent,
+    speculative (a SpecConfig)."""
     extra = dict(getattr(options, "extra", {}) or {})
     split = extra.get("split")
     if isinstance(split, str):
@@ -293,4 +318,4 @@ def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = No
                       exact=getattr(options, "precision", "default") == "f32",
                       device=getattr(options, "device", "CPU"), threads=extra.get("threads"),
                       max_concurrent=int(extra.get("max_concurrent", 8)))
-    return launch_pipeline(cfg, progress)
+    return launch_pipeline(cfg, progress, speculative=extra.get("speculative"))

@@ -11,7 +11,13 @@ and serves the ring (engine/protocol/pipeline.py has the picture):
   KV state) and send the result to the next stage (a DEALER connected to
   --next, or to the address a StageConfigure gives). The last stage sends a
   StageResult with the next token id, plus the last position's logits row
-  only when the request samples.
+  only when the request samples. Speculative steps (want_all) get the argmax
+  of every position and, when sampling, every logits row.
+- Mask-based rollback (engine/speculative/kv.py): each stream keeps a
+  visibility bit per physical KV position. A step's `hide` ranges are hidden
+  (attention_mask 0), `compact` drops the hidden positions physically, and
+  position_ids follow the logical length, which must equal the step's
+  `position`.
 - StagePing -> StagePong (health, queue depth, compute ms), StageFree
   (cancel/finish: drop state and queued steps), StageConfigure, StageShutdown.
 
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -51,6 +58,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from engine.pipeline.health import computing, serve_with_heartbeats, tune_data_socket
 from engine.protocol import ErrorReply, ProtocolError, decode_frames, encode_frames
 from engine.protocol.pipeline import (
     StageConfigure,
@@ -84,13 +92,16 @@ class WorkerConfig:
     name: str = ""  # how errors name this stage until a StageConfigure names it
     parent_pid: int | None = None  # exit when this process is gone (no orphans)
     max_chunk: int = 8192  # tokens per step at most
+    curve: Path | None = None  # CURVE setup file (engine/fleet/curve_data.py); None = plaintext data plane
+    next_key: str = ""  # CURVE public key of --next (with curve)
 
 
 @dataclass
 class _Stream:
     stream: Any  # ShardStream: this stream's InferRequest and KV state
-    past: int = 0  # tokens in its KV state
+    past: int = 0  # tokens physically in its KV state (visible or hidden)
     seq: int = 0  # the next step number expected
+    mask: Any = None  # engine.speculative.kv.VisibleMask: which of them are visible
 
 
 @dataclass
@@ -112,6 +123,9 @@ class ShardWorker:
         self.inbox.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting coordinator keeps its identity
         self.out: zmq.Socket | None = None
         self.out_endpoint: str | None = None
+        self.out_key = ""  # CURVE server key of out_endpoint
+        self.curve: Any = None  # engine.fleet.curve_data.CurveEnd when the data plane is encrypted
+        self._zap: Any = None  # its ZAP handler (admits the coordinator and the previous stage)
         self.endpoint = ""
         self.name = cfg.name
         self.runner: Any = None
@@ -126,6 +140,11 @@ class ShardWorker:
     # -- setup -----------------------------------------------------------------
     def bind(self) -> str:
         """Bind the inbox; returns the actual endpoint (a * port resolved)."""
+        if self.cfg.curve is not None:
+            from engine.fleet.curve_data import CurveEnd
+
+            self.curve = CurveEnd.load(self.cfg.curve)
+            self._zap = self.curve.serve(self.ctx, self.inbox)
         self.inbox.bind(self.cfg.bind)
         self.endpoint = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         return self.endpoint
@@ -143,25 +162,32 @@ class ShardWorker:
                  self.info.start, self.info.end, self.info.num_layers_total, self.cfg.device,
                  time.perf_counter() - t)
         if self.cfg.next_endpoint:
-            self._connect(self.cfg.next_endpoint)
+            self._connect(self.cfg.next_endpoint, self.cfg.next_key)
 
-    def _connect(self, endpoint: str) -> None:
-        if endpoint == self.out_endpoint:
+    def _connect(self, endpoint: str, key: str = "") -> None:
+        if endpoint == self.out_endpoint and key == self.out_key:
             return
+        if self.curve is not None and not key:
+            raise ProtocolError(f"{self.name}: this worker is encrypted; the next hop needs a CURVE key")
         if self.out is not None:
             self.out.close(0)
         self.out = self.ctx.socket(zmq.DEALER)
+        if self.curve is not None:
+            self.curve.client(self.out, key)
         self.out.setsockopt(zmq.LINGER, 0)
         self.out.setsockopt(zmq.SNDHWM, SNDHWM)
+        tune_data_socket(self.out)  # ZMTP heartbeats: a vanished next stage is noticed (health.py)
         self.out.setsockopt(zmq.IDENTITY, f"stage-{os.getpid()}".encode())
         self.out.connect(endpoint)
-        self.out_endpoint = endpoint
+        self.out_endpoint, self.out_key = endpoint, key
         log.info("%s: sending to %s", self.name, endpoint)
 
     def close(self) -> None:
         for sock in (self.inbox, self.out):
             if sock is not None:
                 sock.close(0)
+        if self._zap is not None:
+            self._zap.stop()
 
     # -- the loop --------------------------------------------------------------
     def serve(self) -> None:
@@ -199,7 +225,7 @@ class ShardWorker:
                 self._free(msg.stream_ids)
             elif isinstance(msg, StageConfigure):
                 self.name = msg.name
-                self._connect(msg.next_endpoint)
+                self._connect(msg.next_endpoint, msg.next_key)
                 self._send_to(sender, self._pong(0))  # the coordinator waits for this
             elif isinstance(msg, ErrorReply):
                 self._downstream(msg)  # an earlier stage's error, on its way to the coordinator
@@ -241,13 +267,15 @@ class ShardWorker:
         try:
             st = self._open(step)
             n = x.shape[1]
+            t = time.perf_counter()
+            self._rollback(st, step)
             feed = {
                 "input_ids" if self.info.first else "hidden_states": x,
-                "attention_mask": np.ones((1, st.past + n), np.int64),  # [1, past + n], all visible
-                "position_ids": np.arange(st.past, st.past + n, dtype=np.int64)[None],  # [1, n]
+                "attention_mask": st.mask.feed(n),  # [1, past + n], 0 at hidden positions
+                "position_ids": st.mask.positions(n),  # [1, n], logical
             }
-            t = time.perf_counter()
-            out = st.stream.run(feed)
+            with computing(self):  # pings are answered meanwhile (engine/pipeline/health.py)
+                out = st.stream.run(feed)
             ms = (time.perf_counter() - t) * 1000.0
         except ProtocolError as e:
             self._drop(sid)
@@ -261,6 +289,7 @@ class ShardWorker:
             self._downstream(ErrorReply(sid, "internal", f"{self.name}: inference failed "
                                                          f"({type(e).__name__})"))
             return
+        st.mask.commit(n)
         st.past += n
         st.seq += 1
         self.stats.steps += 1
@@ -268,12 +297,31 @@ class ShardWorker:
         self.stats.compute_ms_last = ms
         ms_so_far = (*step.stage_ms, ms)
         if not self.info.last:
-            fwd = StageStep(sid, step.seq, step.past, step.reset, step.want_token, step.want_logits, ms_so_far)
+            fwd = dataclasses.replace(step, stage_ms=ms_so_far)
             self._downstream(fwd, [out["hidden_states_out"]])
+            return
+        if step.want_all:  # a speculative verify step: every position
+            tokens = tuple(int(t) for t in out["next_token"][0])
+            rows = [out["logits"][0]] if step.want_logits else []  # [n, V] float32
+            self._downstream(StageResult(sid, step.seq, tokens[-1], ms_so_far, tokens), rows)
             return
         token = int(out["next_token"][0, -1]) if step.want_token else None
         rows = [out["logits"][0, -1]] if step.want_logits else []  # [V] float32
         self._downstream(StageResult(sid, step.seq, token, ms_so_far), rows)
+
+    def _rollback(self, st: _Stream, step: StageStep) -> None:
+        """Hide the step's ranges, compact when asked; check its logical position."""
+        if step.hide:
+            st.mask.hide_ranges(step.hide)
+        if step.compact and st.mask.hidden:
+            from engine.speculative.kv import compact_state
+
+            compact_state(st.stream.request, st.mask.keep_index())  # every state: [1, kv, visible, d]
+            st.mask.compacted()
+            st.past = st.mask.length
+        if step.logical != st.mask.visible:
+            raise ProtocolError(f"stream {step.stream_id}: step {step.seq} starts at position "
+                                f"{step.logical}, but {self.name} holds {st.mask.visible} visible tokens")
 
     def _open(self, step: StageStep) -> _Stream:
         """The stream's state, opened empty on a reset step; checks the step follows on."""
@@ -281,9 +329,12 @@ class ShardWorker:
         st = self.streams.get(sid)
         if step.reset:
             if st is None:
+                from engine.speculative.kv import VisibleMask
+
                 stream = self.pool.pop() if self.pool else self.runner.new_stream()
-                st = self.streams[sid] = _Stream(stream)
+                st = self.streams[sid] = _Stream(stream, mask=VisibleMask())
             st.stream.reset()  # every state = empty [1, kv_heads, 0, head_dim]
+            st.mask.reset()
             st.past, st.seq = 0, step.seq
         if st is None:
             raise ProtocolError(f"stream {sid} is not open on {self.name}", "not_found")
@@ -368,11 +419,14 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--cache-dir", type=Path, help="OpenVINO compiled-blob cache folder")
     p.add_argument("--name", default="", help="stage name for logs and errors")
     p.add_argument("--parent-pid", type=int, help="exit when this process is no longer the parent")
+    p.add_argument("--curve", type=Path, help="CURVE setup file (written by the agent): encrypt and "
+                                              "authenticate the data plane (default: plaintext)")
+    p.add_argument("--next-key", default="", help="CURVE public key of --next (with --curve)")
     a = p.parse_args(argv)
     bind = a.bind or (f"tcp://0.0.0.0:{a.port}" if a.port else "tcp://127.0.0.1:*")
     return WorkerConfig(shard=a.shard, bind=bind, next_endpoint=a.next_endpoint, device=a.device,
                         exact=a.exact, threads=a.threads, cache_dir=a.cache_dir, name=a.name,
-                        parent_pid=a.parent_pid)
+                        parent_pid=a.parent_pid, curve=a.curve, next_key=a.next_key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"event": "bound", "endpoint": endpoint, "pid": os.getpid()}), flush=True)
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
         worker.load()
-        worker.serve()
+        serve_with_heartbeats(worker)  # worker.serve() + pings answered during compute
     except KeyboardInterrupt:
         pass
     finally:

@@ -33,6 +33,7 @@ MAX_CHUNK_BYTES = 8 * 1024 * 1024  # one shard chunk; well under the codec's 16 
 MAX_SHARD_BYTES = 2**42  # 4 TiB: no shard is bigger, and the sum fits an int64
 MAX_COUNT = 2**63 - 1
 MAX_PORT = 65_535
+MAX_RING_KEYS = 256  # agents of one ring (= MAX_STAGES of the data plane)
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _NODE_ID = re.compile(r"[0-9a-f]{32}\Z")
@@ -335,6 +336,10 @@ class LoadRequest:
     sha256: str  # a cached shard
     device: str  # OpenVINO device for the worker: "CPU", "GPU.0", "NPU", "AUTO"
     data_port: int  # TCP port the worker binds for the data plane; 0 = the worker picks
+    exact: bool = False  # f32 inference + f32 KV cache (bit-comparable with torch; slower)
+    # CURVE public keys (Z85) of the other agents of the ring: they may connect to this
+    # worker's data port (the previous stage sends to it). Paired controllers always may.
+    ring_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
@@ -342,6 +347,10 @@ class LoadRequest:
         require(isinstance(self.device, str) and re.fullmatch(r"[A-Z][A-Z0-9_.:,]{0,63}", self.device)
                 is not None, "device must look like CPU, GPU.0, NPU or AUTO")
         require(_port(self.data_port, allow_zero=True), f"data_port must be 0..{MAX_PORT}")
+        require(isinstance(self.exact, bool), "exact must be a bool")
+        require(isinstance(self.ring_keys, tuple) and len(self.ring_keys) <= MAX_RING_KEYS
+                and all(is_z85_key(k) for k in self.ring_keys),
+                f"ring_keys must be at most {MAX_RING_KEYS} Z85 public keys")
 
 
 @register
@@ -350,10 +359,12 @@ class LoadReply:
     KIND: ClassVar[str] = "load_reply"
     request_id: str  # of the LoadRequest
     shard: ShardInfo  # state "starting" or "running", with the worker's pid
+    data_port: int = 0  # the TCP port the worker's data socket bound; 0 = unknown (it did not say)
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
         require(isinstance(self.shard, ShardInfo), "shard must be ShardInfo")
+        require(_port(self.data_port, allow_zero=True), f"data_port must be 0..{MAX_PORT}")
 
 
 @register

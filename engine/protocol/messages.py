@@ -28,6 +28,8 @@ MAX_ID_CHARS = 128  # request ids
 MAX_TOKEN_ID = 2**31 - 1  # token ids fit an int32 tensor on the data plane
 MAX_COUNT = 2**63 - 1  # counters fit a signed 64-bit int on the wire
 MAX_ERROR_CHARS = 1_000  # an error reason is one line, not a traceback
+SPECULATIVE_MODES = ("off", "draft", "lookup")  # speculative decoding: none, a draft model, prompt lookup
+MAX_SPEC_K = 16  # drafted tokens per speculative step at most
 
 
 def _is_request_id(v: object) -> bool:
@@ -84,6 +86,24 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class SpeculativeParams:
+    """Speculative decoding of one request (docs/speculative.md). The output
+    distribution is the target's either way: greedy answers are identical."""
+
+    KIND: ClassVar[str] = "speculative_params"
+    mode: str = "off"  # "off" | "draft" (the engine's draft model) | "lookup" (prompt n-grams)
+    k: int | None = None  # drafted tokens per step (the start value when adaptive); None = engine default
+    adaptive: bool = True  # adapt k to the running acceptance rate (1..max(k, engine maximum))
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.mode, str) and self.mode in SPECULATIVE_MODES,
+                 f"speculative mode must be one of {SPECULATIVE_MODES}, got {self.mode!r:.40}")
+        _require(self.k is None or (_is_int(self.k) and 1 <= self.k <= MAX_SPEC_K),
+                 f"speculative k must be an integer in 1..{MAX_SPEC_K}")
+        _require(isinstance(self.adaptive, bool), "speculative adaptive must be a bool")
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One generation: either a chat (messages) or a raw prompt, never both."""
 
@@ -92,6 +112,7 @@ class GenerateRequest:
     messages: tuple[ChatMessage, ...] | None = None  # chat turns, templated by the engine
     prompt: str | None = None  # raw text, no template (the /v1/completions path)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculative: SpeculativeParams | None = None  # None = the engine's default (set at its start)
 
     def __post_init__(self) -> None:
         _require(_is_request_id(self.request_id),
@@ -107,6 +128,8 @@ class GenerateRequest:
             _require(_is_text(self.prompt, MAX_TEXT_CHARS),
                      "prompt must be a string of reasonable length")
         _require(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
+        _require(self.speculative is None or isinstance(self.speculative, SpeculativeParams),
+                 "speculative must be SpeculativeParams or nil")
 
 
 @dataclass(frozen=True)

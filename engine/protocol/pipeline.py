@@ -12,6 +12,16 @@ int64 [1, n] into stage 0, hidden states float32 [1, n, H] between stages. A
 StageResult carries the next token id in its header and, only when the
 request samples, the last position's logits row float32 [V] as a tensor.
 
+Speculative decoding (engine/speculative, docs/speculative.md) uses three
+more StageStep fields. Rejected draft tokens stay in every stage's KV state
+and are hidden: `hide` names physical ranges that become invisible
+(attention_mask 0) from this step on, `position` is the logical position of
+the step's first token (= the visible tokens before it, checked by every
+stage), and `compact` asks each stage to drop its hidden positions physically
+before the step. With `want_all` the last stage answers for every position
+of the step: StageResult.tokens holds the argmax of each, and the logits
+tensor (when asked) is float32 [n, V].
+
 Control messages (StageConfigure, StagePing, StageFree, StageShutdown) go
 straight from the coordinator to each worker; the worker answers a ping with
 a StagePong on the same socket. A worker that cannot handle an input answers
@@ -37,13 +47,20 @@ MAX_POSITION = 2**31 - 1  # token positions fit an int32
 MAX_SEQ = 2**63 - 1  # step counters fit a signed 64-bit int
 MAX_FREE = 4096  # stream ids in one StageFree
 MAX_MS = 1e9  # a compute time in ms (11 days): anything above is garbage
+MAX_HIDE_RANGES = 256  # [start, end) ranges one StageStep may hide
+MAX_STEP_TOKENS = 8192  # tokens of one step (= a worker's largest chunk)
 
 # zmq endpoints we accept for the data plane: tcp (any host, port or *), ipc, inproc.
 _ENDPOINT = re.compile(r"(tcp://[^\s/]+:(\d{1,5}|\*)|ipc://\S+|inproc://\S+)\Z")
+_Z85 = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")  # a CurveZMQ key in Z85 text
 
 
 def _stream_id(v: object) -> bool:
     return is_text(v, MAX_STREAM_ID_CHARS, allow_empty=False)
+
+
+def _is_z85(v: object) -> bool:
+    return isinstance(v, str) and _Z85.match(v) is not None
 
 
 def is_endpoint(v: object) -> bool:
@@ -68,9 +85,13 @@ class StageConfigure:
     stage_index: int  # position in the ring, 0-based
     stage_count: int  # stages in the ring
     name: str  # how messages name this stage, e.g. "stage 2"
+    # CURVE public key (Z85) of the socket at next_endpoint; "" = that hop is plaintext
+    # (only the local loopback runner, when asked). A CURVE worker refuses "".
+    next_key: str = ""
 
     def __post_init__(self) -> None:
         require(is_endpoint(self.next_endpoint), "next_endpoint must be a zmq endpoint (tcp://host:port)")
+        require(self.next_key == "" or _is_z85(self.next_key), "next_key must be a Z85 public key or empty")
         require(is_int(self.stage_count) and 1 <= self.stage_count <= MAX_STAGES,
                 f"stage_count must be in 1..{MAX_STAGES}")
         require(is_int(self.stage_index) and 0 <= self.stage_index < self.stage_count,
@@ -126,29 +147,66 @@ class StagePong:
 class StageStep:
     """One chunk of one stream, travelling the ring (+ one tensor frame).
 
-    Each stage runs it on the stream's own InferRequest (its KV state), with
-    attention_mask = ones [1, past + n] and position_ids = past .. past+n-1,
-    then forwards its hidden states with its compute time appended."""
+    Each stage runs it on the stream's own InferRequest (its KV state). It
+    first hides the `hide` ranges, then (with `compact`) drops every hidden
+    position from the state; then it runs the n tokens with attention_mask =
+    [1, past + n] (0 at hidden positions) and position_ids = position ..
+    position+n-1, and forwards its hidden states with its compute time
+    appended. Without speculation hide is empty and position is None (= past):
+    the mask is all ones, exactly as before."""
 
     KIND: ClassVar[str] = "pipeline_step"
     stream_id: str  # the coordinator's id of the stream (not the request id)
     seq: int  # step number within the stream, 0-based; the result echoes it
-    past: int  # tokens already in the stream's KV state on every stage
+    past: int  # tokens physically in the stream's KV state on every stage (visible or hidden)
     reset: bool  # first step of the stream: open it with an empty KV state
     want_token: bool  # last stage answers with the next token (False: a non-final prefill chunk, ack only)
-    want_logits: bool  # last stage also returns the last position's logits row (sampling)
+    want_logits: bool  # last stage also returns logits rows (sampling): the last one, or all with want_all
     stage_ms: tuple[float, ...] = ()  # compute ms of each stage passed so far
+    position: int | None = None  # logical position of the first token (visible tokens before it); None = past
+    hide: tuple[int, ...] = ()  # physical [start, end) ranges to hide before this step, flattened, ascending
+    compact: bool = False  # drop every hidden position from the KV state before this step
+    want_all: bool = False  # last stage answers for every position (tokens [n], logits [n, V])
 
     def __post_init__(self) -> None:
         require(_stream_id(self.stream_id), "stream_id must be a short non-empty string")
         require(is_int(self.seq) and 0 <= self.seq <= MAX_SEQ, "seq must be a non-negative integer")
         require(is_int(self.past) and 0 <= self.past <= MAX_POSITION, f"past must be in 0..{MAX_POSITION}")
-        for f in ("reset", "want_token", "want_logits"):
+        for f in ("reset", "want_token", "want_logits", "compact", "want_all"):
             require(isinstance(getattr(self, f), bool), f"{f} must be a bool")
         require(not self.reset or self.past == 0, "a reset step starts at past 0")
         require(not self.want_logits or self.want_token, "want_logits needs want_token")
+        require(not self.want_all or self.want_token, "want_all needs want_token")
         require(_ms_tuple(self.stage_ms), "stage_ms must be at most 256 non-negative numbers")
         object.__setattr__(self, "stage_ms", tuple(float(x) for x in self.stage_ms))
+        require(self.position is None or (is_int(self.position) and 0 <= self.position <= self.past),
+                "position must be nil or in 0..past")
+        require(_ranges(self.hide, self.past),
+                f"hide must be at most {MAX_HIDE_RANGES} ascending, disjoint [start, end) pairs within 0..past")
+        hidden = sum(self.hide[i + 1] - self.hide[i] for i in range(0, len(self.hide), 2))
+        require(self.position is None or self.position <= self.past - hidden,
+                "position cannot exceed the tokens left visible")
+        require(not self.reset or (not self.hide and not self.compact and self.position in (None, 0)),
+                "a reset step has nothing to hide or compact")
+
+    @property
+    def logical(self) -> int:
+        """Logical position of the first token (past when nothing was ever hidden)."""
+        return self.past if self.position is None else self.position
+
+
+def _ranges(v: object, past: int) -> bool:
+    """Flattened ascending disjoint [start, end) pairs with 0 <= start < end <= past."""
+    if not (isinstance(v, tuple) and len(v) % 2 == 0 and len(v) <= 2 * MAX_HIDE_RANGES
+            and all(is_int(x) for x in v)):
+        return False
+    prev = 0
+    for i in range(0, len(v), 2):
+        a, b = v[i], v[i + 1]
+        if not (prev <= a < b <= past):
+            return False
+        prev = b
+    return True
 
 
 @register
@@ -161,12 +219,17 @@ class StageResult:
     seq: int  # of the step
     token: int | None  # greedy next token (argmax of the last position); None for an ack
     stage_ms: tuple[float, ...]  # compute ms of every stage, in ring order
+    tokens: tuple[int, ...] = ()  # with want_all: the argmax of every position of the step, in order
 
     def __post_init__(self) -> None:
         require(_stream_id(self.stream_id), "bad stream_id")
         require(is_int(self.seq) and 0 <= self.seq <= MAX_SEQ, "bad seq")
         require(self.token is None or (is_int(self.token) and 0 <= self.token <= MAX_POSITION),
                 "token must be a non-negative integer or nil")
+        require(isinstance(self.tokens, tuple) and len(self.tokens) <= MAX_STEP_TOKENS
+                and all(is_int(t) and 0 <= t <= MAX_POSITION for t in self.tokens),
+                f"tokens must be at most {MAX_STEP_TOKENS} non-negative integers")
+        require(not self.tokens or self.token == self.tokens[-1], "token must be the last of tokens")
         require(_ms_tuple(self.stage_ms), "bad stage_ms")
         object.__setattr__(self, "stage_ms", tuple(float(x) for x in self.stage_ms))
 

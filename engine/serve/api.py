@@ -7,7 +7,9 @@ POST /v1/completions. `stream: true` answers with Server-Sent Events
 Request fields used: model, messages / prompt, max_tokens, max_completion_tokens
 (wins over max_tokens), temperature (0..2), top_p, seed, stop (a string or a
 list), n (must be 1), stream, stream_options.include_usage, and the extensions
-top_k and repetition_penalty. Without max_tokens the engine's default
+top_k, repetition_penalty and speculative ({"mode": "draft"|"lookup"|"off",
+"k": 1..16, "adaptive": bool}, or just the mode as a string; absent = the
+engine's default; docs/speculative.md). Without max_tokens the engine's default
 (SamplingParams.max_tokens) applies. Message roles: system, user, assistant;
 "developer" is read as "system"; content is a string or a list of text parts.
 Fields that are accepted and ignored: frequency_penalty, presence_penalty,
@@ -19,8 +21,9 @@ unknown field).
 
 Every error is OpenAI's JSON `{"error": {"message", "type", "param", "code"}}`:
 400 malformed JSON / invalid values, 401 missing or wrong API key (when one is
-configured), 404 unknown model or URL, 405 wrong method, 503 engine refused
-(closed, overloaded), 500 anything else (no traceback in the body).
+configured), 404 unknown model or URL, 405 wrong method, 429 the engine's queue
+is full (with Retry-After: engine/serve/backpressure.py), 503 engine refused
+(closed, broken), 500 anything else (no traceback in the body).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.protocol.errors import ProtocolError
-from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams, TokenEvent
-from engine.serve.interface import Engine, EngineError
+from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams, SpeculativeParams, TokenEvent
+from engine.serve.backpressure import retry_after_header
+from engine.serve.interface import Engine, EngineError, EngineOverloaded
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +64,11 @@ class ApiError(Exception):
     """An error answered as OpenAI's error JSON with an HTTP status."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = dict(headers or {})  # e.g. Retry-After on a 429
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -91,6 +97,15 @@ class ChatMessageIn(_Lenient):
     content: str | list[ContentPart] | None = Field(default=None, description="text or text parts")
 
 
+class SpeculativeIn(BaseModel):
+    """extension: speculative decoding of this request (docs/speculative.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: Literal["off", "draft", "lookup"] = Field(description="draft model, prompt lookup, or off")
+    k: int | None = Field(default=None, description="drafted tokens per step (1..16; start value when adaptive)")
+    adaptive: bool = Field(default=True, description="adapt k to the running acceptance rate")
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = Field(default=False, description="send a last chunk with usage")
 
@@ -107,6 +122,8 @@ class _Sampling(_Lenient):
     stream_options: StreamOptions | None = None
     top_k: int | None = Field(default=None, description="extension: keep the k likeliest tokens (0 = off)")
     repetition_penalty: float | None = Field(default=None, description="extension: >1 discourages repeats")
+    speculative: SpeculativeIn | Literal["off", "draft", "lookup"] | None = Field(
+        default=None, description="extension: speculative decoding, e.g. {\"mode\": \"lookup\", \"k\": 4}")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -202,6 +219,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for s, d in [(400, "Invalid request"), (401, "Missing or wrong API key"),
                  (404, "Unknown model"), (500, "Engine failure"), (503, "Engine unavailable")]
 }
+_ERRORS[429] = {"model": ErrorResponse, "description": "The engine's queue is full: retry after Retry-After s",
+                "headers": {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}}
 
 
 def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -223,6 +242,15 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> SamplingParams:
     return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
 
 
+def _speculative(body: _Sampling) -> SpeculativeParams | None:
+    spec = body.speculative
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return SpeculativeParams(mode=spec)
+    return SpeculativeParams(mode=spec.mode, k=spec.k, adaptive=spec.adaptive)
+
+
 def _chat_message(m: ChatMessageIn) -> ChatMessage:
     role = "system" if m.role == "developer" else m.role
     if m.content is None:
@@ -242,7 +270,8 @@ def _build(request_id: str, body: _Sampling) -> GenerateRequest:
         if isinstance(body, ChatCompletionRequest):
             mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             return GenerateRequest(request_id=request_id, sampling=_sampling(body, mt),
-                                   messages=tuple(_chat_message(m) for m in body.messages))
+                                   messages=tuple(_chat_message(m) for m in body.messages),
+                                   speculative=_speculative(body))
         assert isinstance(body, CompletionRequest)
         prompt = body.prompt
         if isinstance(prompt, list):
@@ -251,7 +280,7 @@ def _build(request_id: str, body: _Sampling) -> GenerateRequest:
                                param="prompt")
             prompt = prompt[0]
         return GenerateRequest(request_id=request_id, prompt=prompt,
-                               sampling=_sampling(body, body.max_tokens))
+                               sampling=_sampling(body, body.max_tokens), speculative=_speculative(body))
     except ProtocolError as e:
         reason = str(e)
         first = reason.split(" ", 1)[0]
@@ -266,6 +295,15 @@ def _usage(final: TokenEvent | None) -> dict[str, int]:
     p = final.usage.prompt_tokens if final and final.usage else 0
     c = final.usage.completion_tokens if final and final.usage else 0
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _refused_prompt(final: TokenEvent) -> bool:
+    """An error about the request itself (a client error, 400): the prompt does not fit the
+    context or is empty. Every engine refuses those through Generation.create
+    (engine/runtime/generation.py), before any token, with these phrases."""
+    err = final.error or ""
+    no_tokens = final.usage is None or final.usage.completion_tokens == 0
+    return no_tokens and (err.startswith("the prompt has ") or err.startswith("the prompt is empty"))
 
 
 def _finish(reason: str | None) -> str:
@@ -299,7 +337,7 @@ class _ApiKeyMiddleware:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
-        return _error_response(e)
+        return _error_response(e, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, e: RequestValidationError) -> JSONResponse:
@@ -399,6 +437,9 @@ def create_app(engines: Mapping[str, Engine] | Engine, api_key: str | None = Non
 def _submit(engine: Engine, req: GenerateRequest) -> None:
     try:
         engine.submit(req)
+    except EngineOverloaded as e:
+        raise ApiError(429, f"The engine is busy: {e}", "rate_limit_error", code="engine_overloaded",
+                       headers={"Retry-After": retry_after_header(e.retry_after_s)}) from None
     except EngineError as e:
         raise ApiError(503, f"The engine cannot take this request: {e}", "server_error",
                        code="engine_unavailable") from None
@@ -423,6 +464,9 @@ async def _generate(body: _Sampling, request: Request, engine: Engine, chat: boo
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(_sse(engine, rid, head, chat, include_usage), ping=15)
     text, final = await _collect(engine, rid, request)
+    if final is not None and final.finish_reason == "error" and _refused_prompt(final):
+        raise ApiError(400, final.error or "the prompt was refused", param="messages" if chat else "prompt",
+                       code="context_length_exceeded" if "context holds" in (final.error or "") else None)
     if final is not None and final.finish_reason == "error":
         raise ApiError(500, f"The engine failed: {final.error or 'unknown error'}", "server_error",
                        code="engine_error")

@@ -43,7 +43,8 @@ def _open_local(spec: str, options: EngineOptions, progress: Progress | None) ->
     from engine.serve.local import LocalEngine
 
     return LocalEngine.from_spec(spec, device=options.device, precision=options.precision,
-                                 backend=options.backend, progress=progress)
+                                 backend=options.backend, progress=progress,
+                                 speculative=options.extra.get("speculative"))  # a SpecConfig or None
 
 
 # kind -> (opener, one-line description for --help)

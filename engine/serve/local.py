@@ -6,6 +6,11 @@ chunk as their turns come = continuous admission), then gives every active
 request one step (a prefill chunk or one token). Each request has its own KV
 state, so answers do not depend on what else runs. A failure in one request
 ends that request with an error event; the thread goes on.
+
+Speculative decoding (engine/runtime/speculative_local.py): a request whose
+`speculative` field (or the engine's default, `speculative=SpecConfig(...)`)
+asks for it gets a mask-rollback stream, and each of its steps verifies
+1..k drafted tokens at once.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from engine.runtime.backend import BACKENDS, ModelBackend, Progress, load_backen
 from engine.runtime.chat import chat_ids, prompt_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, finished, step
+from engine.runtime.speculative_local import MaskedOVStream, spec_step
 from engine.serve.interface import Engine, EngineError, EngineInfo
 
 log = logging.getLogger(__name__)
@@ -49,7 +55,8 @@ def context_from_config(model_dir: Path) -> int:
 class LocalEngine(Engine):
     def __init__(self, model_path: Path, model_id: str, device: str = "CPU", precision: str = "default",
                  backend: str = "openvino", max_concurrent: int = 8, context_length: int | None = None,
-                 progress: Progress | None = None, prefill_chunk: int = 512) -> None:
+                 progress: Progress | None = None, prefill_chunk: int = 512,
+                 speculative: Any = None) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -69,6 +76,16 @@ class LocalEngine(Engine):
         self.eos_ids = eos_token_ids(self.backend.model_dir, self.tokenizer)
         self.max_concurrent = max_concurrent
         self.prefill_chunk = prefill_chunk
+        from engine.runtime.speculative_local import LocalSpeculation
+        from engine.speculative.config import SpecConfig
+
+        try:  # speculation defaults; a request's `speculative` field overrides them
+            self.spec = LocalSpeculation(speculative or SpecConfig(), self.backend, model_id,
+                                         _logits_width(self.backend, len(self.tokenizer)), device,
+                                         precision, progress)
+        except Exception as e:
+            self.backend.close()
+            raise EngineError(f"cannot start speculative decoding: {e}") from e
         self._inbox: queue.SimpleQueue[tuple[GenerateRequest, float]] = queue.SimpleQueue()
         self._cancelled: set[str] = set()  # guarded by self._lock
         self._stop = threading.Event()
@@ -100,6 +117,7 @@ class LocalEngine(Engine):
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
+        self.spec.close()
         self.backend.close()
 
     # -- the scheduler thread ------------------------------------------------------
@@ -160,9 +178,12 @@ class LocalEngine(Engine):
                 ids = chat_ids(self.tokenizer, request.messages)
             else:
                 ids = prompt_ids(self.tokenizer, request.prompt or "")
-            stream = self.backend.new_stream()
-            return Generation.create(request, ids, stream, self.tokenizer, self.eos_ids,
-                                     self.context_length, self.prefill_chunk, t_submit)
+            stream = self.spec.new_stream(request) or self.backend.new_stream()
+            gen = Generation.create(request, ids, stream, self.tokenizer, self.eos_ids,
+                                    self.context_length, self.prefill_chunk, t_submit)
+            if isinstance(stream, MaskedOVStream):
+                self.spec.open(request, gen)
+            return gen
         except Exception as e:
             if stream is not None:
                 stream.close()
@@ -173,7 +194,8 @@ class LocalEngine(Engine):
     def _step(self, gen: Generation) -> bool:
         """Advance one request; True when it ended."""
         try:
-            event = step(gen)
+            session = self.spec.session(gen)
+            event = spec_step(gen, session) if session is not None else step(gen)
         except Exception as e:
             log.exception("request %s failed", gen.request_id)
             self._end(gen, finished(gen, "error", error=_one_line(e)))
@@ -188,9 +210,18 @@ class LocalEngine(Engine):
 
     def _end(self, gen: Generation, event: TokenEvent) -> None:
         try:
+            self.spec.end(gen)
             gen.stream.close()
         finally:
             self._emit(event)
+
+
+def _logits_width(backend: Any, fallback: int) -> int:
+    """The vocabulary width of the model's logits (may exceed the tokenizer's)."""
+    try:
+        return int(backend.compiled.output("logits").get_partial_shape()[2].get_length())
+    except Exception:
+        return fallback
 
 
 def _one_line(e: BaseException) -> str:
