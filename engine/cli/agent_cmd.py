@@ -36,11 +36,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="TTL of the mDNS records; a crashed agent vanishes after about this (default 60)")
     p.add_argument("--worker-cmd", default=None, metavar="CMD",
                    help="shard worker command template; placeholders {python} {shard} {sha256} "
-                        "{device} {port} (default: the pipeline worker)")
+                        "{device} {port} {bind} {cache} {parent} {curve} {exact} (default: the pipeline worker)")
     p.add_argument("--idle-source", default="auto", metavar="SRC",
                    help="auto (the desktop session), none (no local user: always idle), "
                         "or file:PATH (PATH holds the unix time of the last input)")
     p.add_argument("-v", "--verbose", action="store_true", help="log more, also to stderr")
+    # `flotilla demo` only: pair the demo's own controller without a code. Refused unless the
+    # config dir is one `flotilla demo` made (engine/fleet/demo_mode.py says why that is safe).
+    p.add_argument("--demo-auto-pair", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_agent)
     asub = p.add_subparsers(dest="agent_command", metavar="SUBCOMMAND")
 
@@ -87,7 +90,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     cfg = AgentConfig(bind=args.bind, port=port, mdns=not args.no_mdns,
                       interfaces=args.interface or None, idle=idle,
-                      mdns_ttl=args.mdns_ttl or DEFAULT_TTL_S)
+                      mdns_ttl=args.mdns_ttl or DEFAULT_TTL_S, demo_auto_pair=args.demo_auto_pair)
+    if args.demo_auto_pair:
+        from engine.fleet.demo_mode import check_demo_dir
+
+        try:
+            check_demo_dir(cfg.config, cfg.bind)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     if args.worker_cmd:
         cfg.worker_command = shlex.split(args.worker_cmd)
     if not args.headless and (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):

@@ -19,7 +19,8 @@ EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import agent_cmd, bench_cmd, chat_cmd, models_cmd, pipeline_cmd, serve_cmd, sparse_cmd
+    from engine.cli import (agent_cmd, bench_cmd, chat_cmd, demo_cmd, models_cmd, pipeline_cmd, serve_cmd,
+                            sparse_cmd)
 
     parser = argparse.ArgumentParser(
         prog="flotilla",
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     models_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     pipeline_cmd.add_parser(sub)
+    demo_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     agent_cmd.add_parser(sub)
     sparse_cmd.add_parser(sub)

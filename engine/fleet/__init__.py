@@ -10,6 +10,10 @@
   workers.py    shard worker child processes
   agent.py      the agent: info/pairing/control sockets, policy enforcement
   client.py     the controller's side of the control plane
+  curve_data.py CURVE on the pipeline's data plane (worker/coordinator keys, ZAP allow-lists)
+  bundle.py     one deterministic tar per shard folder, for the shard store; safe unpack
+  launch.py     the fleet launcher: peers -> plan -> shards -> workers -> PipelineEngine
+  demo_mode.py  the gate that lets `flotilla demo` pair its own agents unattended
 
 docs/fleet.md explains discovery, pairing, the threat model and the ports.
 """

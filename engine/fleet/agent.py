@@ -42,7 +42,7 @@ from engine.fleet.policy import MachineProbe, MachineState, SharingPolicy, check
 from engine.fleet.security import (CONTROL_DOMAIN, PAIR_DOMAIN, FleetAuthenticator, PairingBook,
                                    curve_server)
 from engine.fleet.shards import ShardStore
-from engine.fleet.workers import Worker, WorkerSupervisor, pipeline_worker_command
+from engine.fleet.workers import LaunchOptions, Worker, WorkerSupervisor, pipeline_worker_command
 from engine.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
 from engine.protocol.control import (AgentEvent, AgentInfo, ChunkReply, ChunkRequest, InfoReply,
                                      InfoRequest, LoadReply, LoadRequest, PairReply, PairRequest,
@@ -73,6 +73,7 @@ class AgentConfig:
     worker_command: Sequence[str] = field(default_factory=pipeline_worker_command)
     idle: IdleSource | None = None  # None = the platform's sources
     poll_s: float = POLL_S  # machine poll interval
+    demo_auto_pair: bool = False  # `flotilla demo` only: accept its controller key unasked (demo_mode.py)
 
 
 def setup_logging(data: Path, verbose: bool = False) -> Path:
@@ -95,6 +96,11 @@ def setup_logging(data: Path, verbose: bool = False) -> Path:
 class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
+        self.demo = None
+        if cfg.demo_auto_pair:  # refuses (ValueError) anything but a `flotilla demo` config dir
+            from engine.fleet.demo_mode import check_demo_dir
+
+            self.demo = check_demo_dir(cfg.config, cfg.bind)
         self.identity = NodeIdentity.load(cfg.config)
         self.keys = self.identity.keys
         self.book = PairingBook(cfg.config)
@@ -212,6 +218,9 @@ class Agent:
             # Unpaired keys reach this socket; give them nothing else.
             raise ProtocolError("not paired: only PairRequest is accepted on the pairing port",
                                 "not_paired")
+        if self.demo is not None and user == self.demo.controller_key and user not in self.book.allowed:
+            log.warning("demo mode: pairing %r (the demo's own controller) without a code", msg.controller_name)
+            self.book.allowed.add(user, msg.controller_name)
         state, code = self.book.request(user or "", msg.controller_name, self.keys.public)
         return PairReply(msg.request_id, state, code, sysinfo.hostname())
 
@@ -266,9 +275,36 @@ class Agent:
         decision = check_start(self.policy, self.state, msg.device, meta["size"], used)
         if not decision.share:
             raise ProtocolError(f"not sharing now: {decision.reason}", "overloaded")
+        shard = await asyncio.to_thread(self._unpacked, path, msg.sha256)
+        opts = LaunchOptions(msg.device, msg.data_port, self.cfg.bind, msg.exact,
+                             self._curve_file(msg.sha256, msg.ring_keys), self.cfg.data / "ov-cache",
+                             msg.ring_keys)
         worker = await self.supervisor.start(str(meta.get("shard_id", msg.sha256)), msg.sha256,
-                                             meta["size"], path, msg.device, msg.data_port)
-        return LoadReply(msg.request_id, worker.info())
+                                             meta["size"], shard, msg.device, msg.data_port, opts)
+        if worker.exit_code is not None or worker.proc.returncode is not None:
+            raise ProtocolError(f"the shard worker exited at once (code {worker.proc.returncode}); "
+                                f"see the agent's logs/worker-{msg.sha256[:12]}.log", "internal")
+        return LoadReply(msg.request_id, worker.info(), worker.data_port)
+
+    def _unpacked(self, path: Path, sha: str) -> Path:
+        """A shard bundle's folder (unpacked once, next to it); other files as they are."""
+        from engine.fleet.bundle import BundleError, is_bundle, unpack
+
+        if not is_bundle(path):
+            return path
+        try:
+            return unpack(path, path.with_name(f"{sha}.d"))
+        except BundleError as e:
+            raise ProtocolError(f"cannot unpack the shard: {e}") from None
+
+    def _curve_file(self, sha: str, ring_keys: tuple[str, ...]) -> Path:
+        """The worker's CURVE setup (0600): our node key, paired controllers, the ring's agents."""
+        from engine.fleet.curve_data import write_curve_file
+        from engine.fleet.security import ALLOW_FILE, SECRET_FILE
+
+        run = ensure_private_dir(self.cfg.data / "run")
+        return write_curve_file(run / f"worker-{sha[:12]}.curve.json", self.cfg.config / SECRET_FILE,
+                                ring_keys, self.cfg.config / ALLOW_FILE)
 
     async def _unload(self, msg: UnloadRequest) -> UnloadReply:
         worker = await self.supervisor.stop(msg.sha256)
@@ -311,6 +347,13 @@ class Agent:
             await asyncio.sleep(self.cfg.poll_s)
 
     async def _tick(self) -> None:
+        if self.demo is not None:
+            from engine.fleet.demo_mode import parent_alive
+
+            if not parent_alive(self.demo.parent_pid):
+                log.warning("demo mode: the demo process %d is gone; stopping", self.demo.parent_pid)
+                self.stopped.set()
+                return
         stamp = self._stamp()
         if stamp != self._policy_stamp:
             self._policy_stamp, self.policy = stamp, SharingPolicy.load(self.cfg.config)

@@ -214,8 +214,12 @@ class AgentClient:
                     progress(offset, size)
         return last
 
-    async def load(self, sha: str, device: str = "CPU", data_port: int = 0) -> LoadReply:
-        return await self.chan.request(LoadRequest(_rid(), sha, device, data_port), LoadReply)
+    async def load(self, sha: str, device: str = "CPU", data_port: int = 0, *, exact: bool = False,
+                   ring_keys: tuple[str, ...] = (), timeout: float | None = None) -> LoadReply:
+        """Start a worker on a cached shard; the reply's data_port is where it listens.
+        ring_keys: the other agents of the ring, which may send to it."""
+        return await self.chan.request(LoadRequest(_rid(), sha, device, data_port, exact, tuple(ring_keys)),
+                                       LoadReply, timeout)
 
     async def unload(self, sha: str) -> UnloadReply:
         return await self.chan.request(UnloadRequest(_rid(), sha), UnloadReply)

@@ -62,7 +62,7 @@ class AgentProc:
     """`python -m engine.cli.agent_cmd --headless` on loopback, no mDNS."""
 
     def __init__(self, tmp: Path, *, base: int | None = None, worker_args: str = "",
-                 mdns: bool = False) -> None:
+                 mdns: bool = False, real_worker: bool = False) -> None:
         self.config = tmp / "agent"
         self.config.mkdir(parents=True, exist_ok=True)
         self.idle_file = tmp / "idle"
@@ -78,13 +78,15 @@ class AgentProc:
         self.worker_cmd = (f"{{python}} {ECHO_WORKER} --shard {{shard}} --port {{port}} "
                            f"--device {{device}} {worker_args}")
         self.mdns = mdns
+        self.real_worker = real_worker  # the pipeline worker (pipeline_worker_command), not the echo one
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
 
     def start(self, timeout: float = 20.0) -> AgentProc:
         argv = [sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v",
                 "--bind", "127.0.0.1", "--port", str(self.base),
-                "--idle-source", f"file:{self.idle_file}", "--worker-cmd", self.worker_cmd]
+                "--idle-source", f"file:{self.idle_file}"]
+        argv += [] if self.real_worker else ["--worker-cmd", self.worker_cmd]
         argv += ["--interface", "127.0.0.1"] if self.mdns else ["--no-mdns"]
         self.proc = subprocess.Popen(argv, env=fleet_env(self.config), cwd=REPO,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -1,0 +1,525 @@
+"""The fleet launcher: paired agents -> a plan -> shards on them -> one PipelineEngine.
+
+    keys = controller_keys()                       # this PC's CurveZMQ identity
+    peers = discover(["127.0.0.1"], want=2)        # or Peer objects of manual peers
+    engine = launch_fleet(keys, peers, LaunchConfig(model="demo"), progress,
+                          on_event=lambda ev: print(ev.message))
+    ...                                            # any Engine use: submit / stream / cancel
+    engine.close()                                 # also unloads every worker
+
+Steps, each failing with a clear message before the next starts:
+1. connect to every peer's control port (CURVE; NotPaired when it does not
+   know our key) and ask its Status: the sharing decision, RAM, devices;
+   peers that do not share right now are left out (and said why).
+2. plan: `auto_plan` over those peers' profiles (or an even split over
+   the `stages` best peers). Peers announcing the same address talk over
+   loopback in the cost model. A plan that does not fit raises PlanError
+   here: nothing was sent or started.
+3. shards: each stage's range is exported (cache), packed into one bundle
+   (engine/fleet/bundle.py) and sent to its agent, resumable and hashed
+   (skipped when the agent has it), all agents in parallel.
+4. load: each agent starts a real shard worker (engine/pipeline/worker.py)
+   with CURVE on its data socket, admitting this controller and the other
+   agents of the ring; it reports the port it bound.
+5. wire: a PipelineEngine with CURVE on every data socket: each stage's
+   server key is its agent's public key, and the coordinator's return socket
+   admits the ring's agent keys only.
+
+While it runs, the agents' pushed AgentEvents (yield: the owner came back;
+worker_exit) are watched. An event about one of our shards becomes a
+FleetEvent: logged, handed to every listener (add_listener; the hook for
+recovery/migration), and by default the engine is stopped with a clear
+reason ("stage 1 on laptop-2 yielded: user returned"), so requests end at
+once instead of at the ping timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.fleet.client import AgentClient, FleetError, NotPaired, async_pair
+from engine.fleet.curve_data import CurveEnd
+from engine.fleet.discovery import Combined, Discovery, ManualPeers, Peer
+from engine.fleet.security import KeyPair
+from engine.pipeline.plan import (DEFAULT_PREFERENCE, DEVICE_KINDS, LOOPBACK_LINK, DeviceProfile, PeerProfile,
+                                  Plan, PlanError, PlanModel, PlanRequest, auto_plan)
+from engine.protocol.control import AgentEvent, StatusReply
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str, float], None]
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: str = "demo"  # model spec: demo id, HF folder or hub id
+    stages: int | None = None  # None = auto_plan chooses; k = even split over the k roomiest peers
+    exact: bool = False  # f32 inference + KV cache on every stage (matches transformers)
+    weights: str = "f32"  # shard weight precision: "f32" or "fp16"
+    context_length: int | None = None  # tokens per stream (KV sizing); None = the model's own
+    max_concurrent: int = 4  # streams in the ring at once (KV reserved for each on every stage)
+    prefill_chunk: int = 512  # prompt tokens per step
+    device_preference: tuple[str, ...] = DEFAULT_PREFERENCE  # device kinds, best first
+    controller_host: str | None = None  # address stages dial back; None = ours toward the first peer
+    ready_timeout_s: float = 180.0  # every stage loaded and wired within this
+    load_timeout_s: float = 90.0  # one agent's Load (its worker's start) within this
+    chunk_bytes: int = 1024 * 1024  # shard transfer chunk
+
+
+@dataclass(frozen=True)
+class FleetEvent:
+    """An agent event about a stage of this pipeline."""
+
+    stage: int  # ring index of the stage concerned
+    peer_name: str  # the agent's host name (for people)
+    node_id: str  # the agent
+    event: AgentEvent  # what the agent pushed
+    message: str  # one line for people
+
+
+@dataclass
+class _Stage:
+    index: int
+    peer: Peer
+    device: str
+    start: int
+    end: int
+    bundle: Path | None = None  # packed shard
+    sha256: str = ""
+    data_port: int = 0
+    pid: int | None = None
+    sent_bytes: int = 0  # bytes transferred (0 = the agent had it)
+
+
+def controller_keys(config: Path | None = None) -> KeyPair:
+    """This PC's CurveZMQ key pair (the same node key its agent uses)."""
+    from engine.fleet.paths import config_dir, ensure_private_dir
+
+    return KeyPair.load_or_create(ensure_private_dir(config) if config else config_dir())
+
+
+def peer_profile(peer: Peer, status: StatusReply | None = None) -> PeerProfile:
+    """What the planner needs from an agent's announcement (or fresher Status)."""
+    info = status.info if status is not None else peer.info
+    devices = tuple(DeviceProfile(d.name.split(".")[0].upper(), d.name) for d in info.devices
+                    if d.name.split(".")[0].upper() in DEVICE_KINDS)
+    return PeerProfile(info.node_id, f"{info.hostname}-{info.node_id[:6]}", devices, info.ram_available)
+
+
+def peer_links(peers: Sequence[Peer]) -> dict[tuple[str, str], Any]:
+    """Peers announcing the same first address are one host: loopback between them."""
+    out = {}
+    for a in peers:
+        for b in peers:
+            if a.node_id < b.node_id and a.addresses[:1] == b.addresses[:1]:
+                out[(a.node_id, b.node_id)] = LOOPBACK_LINK
+    return out
+
+
+def local_address_toward(host: str) -> str:
+    """Our address on the route to host (no packet is sent: a UDP connect only)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+class LoopThread:
+    """A private asyncio loop on a daemon thread, for sync callers."""
+
+    def __init__(self, name: str = "flotilla-fleet") -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is self.thread:
+            return  # closed from a callback on the loop itself: it stops after this turn
+        self.thread.join(10)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+# ---------------------------------------------------------------- discovery and pairing
+
+
+async def async_discover(interfaces: Sequence[str] | None, *, want: int | None = None,
+                         keys: set[str] | None = None, manual: Sequence[str] = (),
+                         timeout: float = 10.0, settle: float = 0.5) -> list[Peer]:
+    """Agents found over mDNS (on these interfaces; None = all) and manual
+    host:port entries. With keys, only agents with those public keys count;
+    returns once `want` of them are found (or all of keys), else at timeout."""
+    from engine.fleet.mdns import MdnsDiscovery
+
+    parts: list[Discovery] = [MdnsDiscovery(interfaces)]
+    if manual:
+        parts.append(ManualPeers(None, entries=list(manual), interval=0.5))
+    disc = Combined(*parts)
+    await disc.async_start()
+    goal = want if want is not None else (len(keys) if keys else None)
+    try:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            found = [p for p in disc.peers().values() if keys is None or p.info.public_key in keys]
+            if goal is not None and len(found) >= goal:
+                break
+            await asyncio.sleep(0.1)
+        if goal is None:
+            await asyncio.sleep(settle)
+        found = [p for p in disc.peers().values() if keys is None or p.info.public_key in keys]
+    finally:
+        await disc.async_close()
+    return sorted(found, key=lambda p: p.node_id)
+
+
+async def async_pair_all(keys: KeyPair, peers: Sequence[Peer], name: str, *, wait: float = 0.0,
+                         on_code: Callable[[Peer, str], None] | None = None) -> dict[str, str]:
+    """Ask every peer to pair; node_id -> state ("accepted" / "pending").
+    on_code(peer, code) shows the code the owner must see on the agent."""
+    from engine.fleet.security import pairing_code
+
+    async def one(peer: Peer) -> str:
+        if on_code:
+            on_code(peer, pairing_code(peer.info.public_key, keys.public))
+        reply = await async_pair(keys, peer.endpoint(peer.info.pair_port), peer.info.public_key, name,
+                                 wait=wait)
+        return reply.state
+
+    states = await asyncio.gather(*(one(p) for p in peers))
+    return {p.node_id: s for p, s in zip(peers, states)}
+
+
+# ---------------------------------------------------------------- the session
+
+
+class FleetSession:
+    """One pipeline's agents: control clients, shards, workers and their events."""
+
+    def __init__(self, keys: KeyPair, peers: Sequence[Peer], cfg: LaunchConfig = LaunchConfig(),
+                 progress: Progress | None = None) -> None:
+        if not peers:
+            raise FleetError("no agents to launch on: start `flotilla agent` on the PCs (and pair them)")
+        self.keys, self.cfg = keys, cfg
+        self.peers = {p.node_id: p for p in peers}
+        self.progress = progress or (lambda _m, _f: None)
+        self.plan: Plan | None = None
+        self.stages: list[_Stage] = []
+        self.statuses: dict[str, StatusReply] = {}
+        self.left_out: dict[str, str] = {}  # node_id -> why it was not used
+        self.events: list[FleetEvent] = []  # every event about our stages, in order
+        self.engine: Any = None
+        self.break_on_event = True  # stop the engine when a stage's agent yields or its worker dies
+        self._listeners: list[Callable[[FleetEvent], None]] = []
+        self._clients: dict[str, AgentClient] = {}
+        self._loop = LoopThread()
+        self._watch: asyncio.Future | None = None
+        self._stopped = False
+        self.timings: dict[str, float] = {}
+
+    def add_listener(self, listener: Callable[[FleetEvent], None]) -> None:
+        """Called (on the session's thread) for every FleetEvent: the hook for
+        recovery/migration (issue #9). Set break_on_event = False to keep the
+        engine running and handle the event yourself."""
+        self._listeners.append(listener)
+
+    # -- steps -------------------------------------------------------------------
+    def launch(self) -> Any:
+        """Plan, send, load and wire; returns the PipelineEngine (engine.fleet = self)."""
+        from engine.models import profile_model, resolve_model
+        from engine.serve.local import context_from_config
+
+        t0 = time.monotonic()
+        resolved = resolve_model(self.cfg.model, self.progress)
+        model_path = Path(resolved.path)
+        self.model_id = resolved.model_id
+        trained = context_from_config(model_path)
+        self.context_length = min(self.cfg.context_length, trained) if self.cfg.context_length else trained
+        model = PlanModel.from_profile(profile_model(resolved))
+        # The tokenizer (and transformers' import, seconds) loads while shards travel.
+        tok: list[Any] = []
+        loader = threading.Thread(target=lambda: tok.append(_load_tokenizer(model_path)), daemon=True)
+        loader.start()
+        try:
+            self._loop.run(self._connect_all(), 60)
+            self.plan = self._make_plan(model)
+            self.timings["plan_s"] = time.monotonic() - t0
+            self._export(model_path, model.num_layers)
+            t = time.monotonic()
+            self._loop.run(self._send_all(), None)
+            self.timings["transfer_s"] = time.monotonic() - t
+            t = time.monotonic()
+            self._loop.run(self._load_all(), None)
+            loader.join()
+            self.engine = self._wire(model_path, tok[0] if tok else None)
+            self.timings["load_s"] = time.monotonic() - t
+        except BaseException:
+            self.stop()
+            raise
+        self._watch = asyncio.run_coroutine_threadsafe(self._watch_events(), self._loop.loop)
+        self.engine.fleet = self
+        self.timings["launch_s"] = time.monotonic() - t0
+        return self.engine
+
+    async def _connect_all(self) -> None:
+        async def one(peer: Peer) -> None:
+            client = AgentClient(self.keys, peer.endpoint(), peer.info.public_key, timeout=15.0)
+            try:
+                await client.async_connect()
+            except NotPaired:
+                client.close()
+                raise NotPaired(f"{peer.info.hostname} ({peer.info.fingerprint}) has not paired with this "
+                                "controller: pair first (`flotilla agent pair --accept CODE` on it)") from None
+            except BaseException:
+                client.close()
+                raise
+            self._clients[peer.node_id] = client
+            self.statuses[peer.node_id] = await client.status()
+
+        results = await asyncio.gather(*(one(p) for p in self.peers.values()), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    def _make_plan(self, model: PlanModel) -> Plan:
+        from engine.pipeline.plan_validate import evaluate_plan, validate_plan
+        from engine.pipeline.runner import even_split
+
+        usable = []
+        for nid, st in self.statuses.items():
+            if not st.sharing:
+                self.left_out[nid] = f"not sharing now: {st.reason}"
+            else:
+                usable.append(self.peers[nid])
+        if not usable:
+            why = "; ".join(f"{self.peers[n].info.hostname}: {r}" for n, r in self.left_out.items())
+            raise PlanError(f"no agent shares its PC right now ({why})")
+        profiles = [peer_profile(p, self.statuses[p.node_id]) for p in usable]
+        request = PlanRequest(context_length=self.context_length, streams=self.cfg.max_concurrent,
+                              kv_dtype_bytes=4.0 if self.cfg.exact else None,
+                              weight_precision="fp32" if self.cfg.weights == "f32" else "fp16")
+        links = peer_links(usable)
+        if self.cfg.stages is None:
+            plan = auto_plan(model, profiles, request, links, self.cfg.device_preference)
+        else:
+            k = self.cfg.stages
+            if k > len(profiles):
+                raise PlanError(f"{k} stages need {k} sharing agents; {len(profiles)} found")
+            chosen = sorted(profiles, key=lambda p: (-p.ram_free_bytes, p.peer_id))[:k]
+            specs = []
+            for prof, (s, e) in zip(chosen, even_split(model.num_layers, k)):
+                kinds = [d for kind in self.cfg.device_preference for d in prof.devices if d.kind == kind]
+                if not kinds:
+                    raise PlanError(f"{prof.name} offers no device of kinds {', '.join(self.cfg.device_preference)}")
+                specs.append((prof.peer_id, kinds[0].name, s, e))
+            issues = validate_plan(specs, model, profiles, request)
+            if issues:
+                raise PlanError("the plan does not fit the fleet: " + "; ".join(i.message for i in issues), issues)
+            plan = evaluate_plan(specs, model, profiles, request, links)
+        self.stages = [_Stage(i, self.peers[s.peer_id], s.device, s.start, s.end) for i, s in enumerate(plan.stages)]
+        return plan
+
+    def _export(self, model_path: Path, total: int) -> None:
+        import openvino as ov
+
+        from engine.fleet.bundle import cached_pack
+        from engine.models.demo import cache_root
+        from engine.pipeline.export import (MANIFEST, _load_hf, ensure_shard, model_fingerprint, shard_cache_key,
+                                            shard_cache_root)
+
+        fp = model_fingerprint(model_path)
+        hf = None
+        for st in self.stages:
+            key = shard_cache_key(fp, st.start, st.end, self.cfg.weights, ov.get_version())
+            cached = (shard_cache_root() / key / MANIFEST).exists()
+            self.progress(f"{'packing' if cached else 'exporting'} shard {st.index} (layers {st.start}–{st.end})",
+                          st.index / len(self.stages))
+            if not cached and hf is None:
+                hf = _load_hf(model_path)
+            info = ensure_shard(model_path, st.start, st.end, num_layers_total=total, precision=self.cfg.weights,
+                                hf_model=hf)
+            st.bundle, st.sha256 = cached_pack(Path(info.path), cache_root() / "bundles")
+
+    async def _send_all(self) -> None:
+        async def one(st: _Stage) -> None:
+            client = self._clients[st.peer.node_id]
+            size = st.bundle.stat().st_size
+            name = st.peer.info.hostname
+
+            def shown(have: int, total: int) -> None:
+                self.progress(f"sending shard {st.index} to {name}: {have / 1e6:.1f}/{total / 1e6:.1f} MB",
+                              have / max(1, total))
+
+            last = await client.send_shard(st.bundle, f"{self.model_id[:80]}/L{st.start}-{st.end}", sha=st.sha256,
+                                           chunk=self.cfg.chunk_bytes, progress=shown)
+            if getattr(last, "cached", False):
+                self.progress(f"shard {st.index}: {name} already has it", 1.0)
+            else:
+                st.sent_bytes = size
+                if not getattr(last, "complete", False):
+                    raise FleetError(f"sending shard {st.index} to {name} stopped at {last.have_bytes} bytes")
+
+        await asyncio.gather(*(one(st) for st in self.stages))
+
+    async def _load_all(self) -> None:
+        ring = tuple(sorted({st.peer.info.public_key for st in self.stages}))
+
+        async def one(st: _Stage) -> None:
+            self.progress(f"starting stage {st.index} on {st.peer.info.hostname} ({st.device})", 0.0)
+            others = tuple(k for k in ring if k != st.peer.info.public_key)
+            reply = await self._clients[st.peer.node_id].load(
+                st.sha256, st.device, 0, exact=self.cfg.exact, ring_keys=others, timeout=self.cfg.load_timeout_s)
+            if not reply.data_port:
+                raise FleetError(f"the worker on {st.peer.info.hostname} did not say which port it bound")
+            st.data_port, st.pid = reply.data_port, reply.shard.pid
+
+        await asyncio.gather(*(one(st) for st in self.stages))
+
+    def _wire(self, model_path: Path, tokenizer: Any = None) -> Any:
+        from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink
+
+        links = [StageLink(st.index, st.start, st.end, st.peer.endpoint(st.data_port), pid=st.pid,
+                           server_key=st.peer.info.public_key) for st in self.stages]
+        host = self.cfg.controller_host or local_address_toward(self.stages[0].peer.addresses[0])
+        pcfg = PipelineConfig(max_concurrent=self.cfg.max_concurrent, prefill_chunk=self.cfg.prefill_chunk,
+                              context_length=self.context_length, return_bind=f"tcp://{host}:*",
+                              ready_timeout_s=self.cfg.ready_timeout_s, device=self.stages[0].device,
+                              curve=CurveEnd(self.keys))
+        self.progress(f"wiring {len(links)} stages (shards compile on first use)", 0.0)
+        return PipelineEngine(links, model_path, self.model_id, pcfg, on_close=self.stop, tokenizer=tokenizer)
+
+    # -- events ------------------------------------------------------------------
+    async def _watch_events(self) -> None:
+        while not self._stopped:
+            for nid, client in list(self._clients.items()):
+                try:
+                    ev = await client.next_event(0.05)
+                except Exception:  # the channel is closing
+                    ev = None
+                if ev is not None:
+                    self._on_agent_event(nid, ev)
+            await asyncio.sleep(0.1)
+
+    def _on_agent_event(self, node_id: str, ev: AgentEvent) -> None:
+        ours = [st for st in self.stages if st.peer.node_id == node_id and (not ev.shards or st.sha256 in ev.shards)]
+        if not ours:
+            return
+        for st in ours:
+            what = ("yielded to its user" if ev.event == "yield" else "lost its shard worker")
+            msg = (f"stage {st.index} (layers {st.start}–{st.end}) on {st.peer.info.hostname} {what}: "
+                   f"{ev.detail or ev.event}")
+            fe = FleetEvent(st.index, st.peer.info.hostname, node_id, ev, msg)
+            self.events.append(fe)
+            log.warning("fleet: %s", msg)
+            for listener in list(self._listeners):
+                try:
+                    listener(fe)
+                except Exception:
+                    log.exception("fleet event listener failed")
+            if self.break_on_event and self.engine is not None:
+                _break_engine(self.engine, f"{msg}; the pipeline stopped (no recovery yet)")
+
+    # -- teardown ----------------------------------------------------------------
+    def stop(self) -> None:
+        """Unload every worker we started and close the control channels. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if threading.current_thread() is self._loop.thread:  # engine.close() from an event listener
+            threading.Thread(target=self._stop_now, name="flotilla-fleet-stop", daemon=True).start()
+            return
+        self._stop_now()
+
+    def _stop_now(self) -> None:
+        try:
+            if self._watch is not None:
+                try:
+                    self._watch.result(2)
+                except Exception:
+                    self._watch.cancel()
+            if self._clients:
+                self._loop.run(self._unload_all(), 30)
+        except Exception as e:
+            log.warning("fleet: stopping the workers: %s", e)
+        finally:
+            self._loop.close()
+
+    async def _unload_all(self) -> None:
+        async def one(st: _Stage) -> None:
+            client = self._clients.get(st.peer.node_id)
+            if client is None or not st.data_port:
+                return
+            try:
+                await client.unload(st.sha256)
+            except Exception as e:  # gone, or already stopped (a yield)
+                log.info("fleet: unload on %s: %s", st.peer.info.hostname, e)
+
+        await asyncio.gather(*(one(st) for st in self.stages))
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+
+    def summary(self) -> dict:
+        """Peers, plan and timings, as plain data."""
+        return {
+            "peers": [{"node_id": p.node_id, "host": p.info.hostname, "address": p.addresses[0],
+                       "fingerprint": p.info.fingerprint, "left_out": self.left_out.get(p.node_id)}
+                      for p in self.peers.values()],
+            "plan": [{"stage": st.index, "peer": st.peer.info.hostname, "node_id": st.peer.node_id,
+                      "device": st.device, "layers": [st.start, st.end], "data_port": st.data_port,
+                      "shard_sha256": st.sha256, "sent_bytes": st.sent_bytes} for st in self.stages],
+            "predicted_tok_s": round(self.plan.predicted_tok_s, 1) if self.plan else None,
+            "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
+        }
+
+
+def _load_tokenizer(model_path: Path) -> Any:
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except Exception:  # PipelineEngine tries again and reports it
+        return None
+
+
+def _break_engine(engine: Any, reason: str) -> None:
+    """End every request of the engine with reason and refuse new ones."""
+    brk = getattr(engine, "_break", None)
+    if brk is None:
+        return
+    if not getattr(engine, "_broken", None):
+        brk(reason)
+    wake = getattr(engine, "_wake", None)
+    if wake is not None:
+        wake()
+
+
+def launch_fleet(keys: KeyPair, peers: Sequence[Peer], cfg: LaunchConfig = LaunchConfig(),
+                 progress: Progress | None = None,
+                 on_event: Callable[[FleetEvent], None] | None = None) -> Any:
+    """Plan over the peers, send the shards, start the workers, wire a
+    PipelineEngine; engine.close() unloads everything. Raises PlanError before
+    anything is sent when no plan fits, NotPaired for an agent that does not
+    know our key, FleetError/EngineError for anything else (after cleaning up)."""
+    session = FleetSession(keys, peers, cfg, progress)
+    if on_event is not None:
+        session.add_listener(on_event)
+    return session.launch()
+
+
+__all__ = ["FleetEvent", "FleetSession", "LaunchConfig", "LoopThread", "async_discover", "async_pair_all",
+           "controller_keys", "launch_fleet", "local_address_toward", "peer_links", "peer_profile"]
