@@ -40,11 +40,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink, describe_exit, log_tail
+from engine.serve.interface import EngineError
 from engine.pipeline.plan import DEVICE_KINDS, DeviceProfile, PeerProfile, Plan, PlanError, PlanModel, PlanRequest
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, float], None]
+# on_stage(stage index, phase, fraction of that phase): per-stage launch progress
+# for UIs. Phases in order: "transfer" (the shard is exported/copied into
+# place), "compile" (the worker runs and loads/compiles it), "ready".
+StageProgress = Callable[[int, str, float], None]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STOP_GRACE_S = 2.0  # SIGTERM -> SIGKILL
 BOUND_TIMEOUT_S = 60.0  # a worker must report its address within this (python + openvino import)
@@ -144,6 +149,7 @@ class LocalFleet:
         self.links: list[StageLink] = []
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="flotilla-pipeline-"))
         self.ring_keys: Any = None  # engine.fleet.curve_data.LocalRingKeys when cfg.curve
+        self.on_stage: StageProgress = lambda _i, _phase, _f: None  # launch_pipeline(on_stage=...)
         self._stopped = False
 
     # -- export ------------------------------------------------------------------
@@ -163,12 +169,14 @@ class LocalFleet:
             cached = (shard_cache_root() / key / MANIFEST).exists()
             self.progress(f"{'shard' if cached else 'exporting shard'} {i} (layers {st.start}–{st.end})",
                           i / len(stages))
+            self.on_stage(i, "transfer", 0.0)
             if not cached and hf_model is None:
                 from engine.pipeline.export import _load_hf
 
                 hf_model = _load_hf(self.model_path)
             infos.append(ensure_shard(self.model_path, st.start, st.end, num_layers_total=total,
                                       precision=self.cfg.weights, hf_model=hf_model))
+            self.on_stage(i, "transfer", 1.0)
         self.progress(f"{len(stages)} shards ready", 1.0)
         return infos
 
@@ -207,6 +215,7 @@ class LocalFleet:
                                         server_key=self.ring_keys.public_keys[i] if self.ring_keys else ""))
         for link in self.links:
             link.endpoint = self._read_bound(link)
+            self.on_stage(link.index, "compile", 0.0)
         return self.links
 
     def _read_bound(self, link: StageLink) -> str:
@@ -257,6 +266,31 @@ class PipelineLaunchError(RuntimeError):
     """A stage process did not start."""
 
 
+class LaunchCancelled(EngineError):
+    """launch_pipeline(cancel=...) was set: every process it started was stopped."""
+
+
+def _launch_cancelled() -> LaunchCancelled:
+    return LaunchCancelled("launch cancelled")
+
+
+class _CancelWatch:
+    """Stops the fleet's processes as soon as `cancel` is set, so a launch blocked
+    in a step (a worker starting, PipelineEngine waiting for every stage) fails
+    at once instead of at its timeout."""
+
+    def __init__(self, cancel: threading.Event, fleet: LocalFleet) -> None:
+        self.cancel, self.fleet, self.over = cancel, fleet, threading.Event()
+        threading.Thread(target=self._run, name="flotilla-launch-cancel", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.over.is_set():
+            if self.cancel.wait(0.1):
+                if not self.over.is_set():
+                    self.fleet.stop()
+                return
+
+
 def _signal(proc: subprocess.Popen, sig: int) -> None:
     try:
         if os.name == "posix":
@@ -268,14 +302,27 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 
 
 def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
-                    engine_config: PipelineConfig | None = None, speculative: Any = None) -> PipelineEngine:
+                    engine_config: PipelineConfig | None = None, speculative: Any = None, *,
+                    on_stage: StageProgress | None = None,
+                    cancel: threading.Event | None = None) -> PipelineEngine:
     """Plan, export, start and wire a local pipeline; engine.close() stops it.
 
+    on_stage(i, phase, fraction) reports each stage's progress (transfer,
+    compile, ready); setting `cancel` stops every process started so far and
+    raises LaunchCancelled (an EngineError: "launch cancelled").
     Raises PlanError before anything launches when the plan cannot run, and
     EngineError (after stopping whatever started) when a stage fails to come up."""
-    from engine.serve.interface import EngineError
-
+    cancel = cancel or threading.Event()
     fleet = LocalFleet(cfg, progress)  # plans: may raise PlanError, nothing started yet
+
+    def stage(i: int, phase: str, fraction: float) -> None:
+        if cancel.is_set():
+            raise _launch_cancelled()
+        if on_stage is not None:
+            on_stage(i, phase, fraction)
+
+    fleet.on_stage = stage
+    watch = _CancelWatch(cancel, fleet)
     try:
         infos = fleet.export()
         if progress:
@@ -289,14 +336,25 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
             pcfg = dataclasses.replace(pcfg, curve=fleet.ring_keys.coordinator)
         engine = PipelineEngine(links, fleet.model_path, fleet.resolved.model_id, pcfg, on_close=fleet.stop,
                                 speculative=speculative)  # a SpecConfig (engine/speculative)
+        watch.over.set()
+        if cancel.is_set():
+            engine.close()
+            raise _launch_cancelled()
+        if on_stage is not None:
+            for i in range(len(links)):
+                on_stage(i, "ready", 1.0)
         if progress:
             progress(f"{len(infos)} stages ready", 1.0)
     except PipelineLaunchError as e:
         fleet.stop()
-        raise EngineError(str(e)) from None
-    except BaseException:
+        raise (_launch_cancelled() if cancel.is_set() else EngineError(str(e))) from None
+    except BaseException as e:
         fleet.stop()
+        if cancel.is_set() and not isinstance(e, PlanError):
+            raise _launch_cancelled() from None
         raise
+    finally:
+        watch.over.set()
     engine.fleet = fleet  # type: ignore[attr-defined]  # for status displays and tests
     if cfg.recover:
         from engine.pipeline.standby import LocalRingProvider

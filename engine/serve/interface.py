@@ -22,9 +22,31 @@ from dataclasses import dataclass
 
 from engine.protocol.messages import GenerateRequest, TokenEvent
 
+DEFAULT_MAX_PENDING = 256  # running + queued requests per engine before submit() says "overloaded"
+
 
 class EngineError(RuntimeError):
     """An engine refused a request (closed, duplicate id, overloaded...)."""
+
+
+class EngineOverloaded(EngineError):
+    """The engine's queue is full: try again after retry_after_s (the API answers 429)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is (engine.load()): for the UI's queue display and for 429s."""
+
+    running: int  # requests being computed now
+    queued: int  # accepted requests waiting for a slot
+    max_running: int  # requests computed at once (max_concurrent)
+    max_pending: int  # running + queued at most; submit() beyond raises EngineOverloaded
+    state: str = "ok"  # "ok", "recovering" (a lost peer is being replaced) or "broken"
+    detail: str = ""  # one line about the state (which stage, why)
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,9 @@ class Engine(ABC):
         self._queues: dict[str, queue.SimpleQueue[TokenEvent]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._ended: set[str] = set()  # ids whose final event was emitted but not read yet
+        self.max_pending = DEFAULT_MAX_PENDING  # bound on running + queued requests (backpressure)
+        self.mean_request_s = 0.0  # moving average of request wall time, for Retry-After
 
     # -- the interface -------------------------------------------------------
     @property
@@ -55,6 +80,13 @@ class Engine(ABC):
                 raise EngineError("the engine is closed")
             if request.request_id in self._queues:
                 raise EngineError(f"request id {request.request_id!r} is already in use")
+            pending = len(self._queues) - len(self._ended)
+            if pending >= self.max_pending:
+                from engine.serve.backpressure import retry_after_s
+
+                wait = retry_after_s(pending, self.capacity(), self.mean_request_s)
+                raise EngineOverloaded(f"{pending} requests are already running or queued "
+                                       f"(at most {self.max_pending}); retry in {wait:.0f} s", wait)
             self._queues[request.request_id] = queue.SimpleQueue()
         try:
             self._start(request)
@@ -106,6 +138,22 @@ class Engine(ABC):
     @abstractmethod
     def cancel(self, request_id: str) -> None: ...
 
+    def capacity(self) -> int:
+        """Requests computed at once (the engine's max_concurrent)."""
+        return max(1, int(getattr(self, "max_concurrent", 1) or 1))
+
+    def load(self) -> EngineLoad:
+        """Running and queued requests now (cheap; any thread)."""
+        with self._lock:
+            pending = len(self._queues) - len(self._ended)
+        cap = self.capacity()
+        state, detail = self._health()
+        return EngineLoad(min(pending, cap), max(0, pending - cap), cap, self.max_pending, state, detail)
+
+    def _health(self) -> tuple[str, str]:
+        """(state, detail) for load(); engines that can lose peers override it."""
+        return ("broken" if self._closed else "ok"), ""
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -129,6 +177,10 @@ class Engine(ABC):
     def _emit(self, event: TokenEvent) -> None:
         with self._lock:
             q = self._queues.get(event.request_id)
+            if q is not None and event.final:
+                self._ended.add(event.request_id)
+                if event.timings is not None:  # for Retry-After estimates
+                    self.mean_request_s = 0.8 * self.mean_request_s + 0.2 * event.timings.total_s
         if q is not None:
             q.put(event)
 
@@ -143,3 +195,4 @@ class Engine(ABC):
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._queues.pop(request_id, None)
+            self._ended.discard(request_id)

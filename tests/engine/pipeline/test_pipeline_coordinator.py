@@ -129,7 +129,7 @@ def test_cli_answers_one_prompt(demo_dir, capsys):
 def test_killed_stage_is_reported_by_name_within_5s(demo_dir):
     from engine.pipeline.runner import FleetConfig, launch_pipeline
 
-    eng = launch_pipeline(FleetConfig(model="demo", stages=3, exact=True))
+    eng = launch_pipeline(FleetConfig(model="demo", stages=3, exact=True, recover=False))  # the no-recovery path
     try:
         victim = eng.stages[1]
         rids = [eng.submit(GenerateRequest(f"k{i}", messages=HELLO, sampling=SamplingParams(max_tokens=3000)))

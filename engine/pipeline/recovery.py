@@ -1,0 +1,574 @@
+"""Keep every stream alive when a pipeline stage goes: re-plan, re-wire, replay.
+
+    engine.enable_recovery(provider)          # launch_pipeline does it for local fleets
+    engine.migrate_stage(1, "user returned")  # a peer hands its shard back: a Future
+    engine.recovery.records                   # what happened, with timings
+
+Each stream has KV state on every stage, so losing any stage loses the state
+of every stream. What the coordinator still has for each stream is enough to
+rebuild it: the prompt and every token it already gave the user
+(Generation.prompt_ids + output_ids). Recovery:
+
+1. detect (tick(), every liveness_interval_s on the coordinator thread): a
+   local stage process exited; a stage answered no ping for ping_timeout_s
+   (workers answer pings while computing: engine/pipeline/health.py); or a
+   step sat in the ring for step_timeout_s while every stage answers (the
+   data plane between two stages is down).
+2. pause: no step leaves; results still arriving are dropped (each would be
+   recomputed, so none is shown twice or lost).
+3. re-plan (on a helper thread, the coordinator keeps serving cancels): the
+   provider returns the new ring, every stage ready to be configured. For
+   the local runner that is a warm standby worker loading the lost shard
+   (engine/pipeline/standby.py); the fleet launcher supplies its own for
+   real peers (replan_onto() helps it choose). RecoveryImpossible(reason)
+   = nothing can host the model any more.
+4. re-wire: new control sockets, StageConfigure to every stage (survivors
+   just reconnect their output), StageFree of every old stream id.
+5. replay: every stream gets a new stream id and prefills prompt + its
+   generated tokens (prefill_chunk at a time). The last replay chunk returns
+   the next token, which is handled exactly like the token the lost step
+   would have returned: same Generation, same sampler state. Greedy output is
+   the same as without the loss, and no token is shown twice or skipped.
+
+A graceful migration (migrate_stage) is the same, except that the old stage
+keeps serving while the replacement gets ready; the pause only covers the
+re-wire and the replay. Recoveries are bounded (max_recoveries per window_s);
+past that, or when the provider gives up, every stream ends with an error
+event that says why, and submit() refuses with the same reason.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import numpy as np
+import zmq
+
+from engine.protocol.pipeline import MAX_FREE, StageConfigure, StageFree, StagePong, StageShutdown, StageStep
+
+if TYPE_CHECKING:
+    from engine.pipeline.coordinator import PipelineEngine, StageLink, _Flight
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryImpossible(Exception):
+    """The provider cannot rebuild the ring; str(e) tells the user why."""
+
+
+@dataclass(frozen=True)
+class RingLoss:
+    """What the provider is asked to repair."""
+
+    lost: tuple[int, ...]  # ring positions to replace (empty: re-wire the same stages)
+    reason: str  # one line: which stage, what happened
+    stages: tuple[Any, ...]  # the ring (StageLinks) when it happened, in order
+    graceful: bool = False  # a migration the peer asked for: the lost stages still serve
+
+
+class RingProvider(Protocol):
+    """Supplies replacement stages. replan() may block (starting processes,
+    loading shards); it runs on a helper thread."""
+
+    def replan(self, loss: RingLoss) -> Sequence[Any]:
+        """The new ring, in order, each stage started and reachable (StageLinks)."""
+
+    def retire(self, links: Sequence[Any], reason: str) -> None:
+        """Stages no longer in the ring: stop them (they may already be gone)."""
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    max_recoveries: int = 20  # at most this many recoveries within window_s; more = give up
+    window_s: float = 300.0  # see max_recoveries
+    step_timeout_s: float = 10.0  # a step in the ring this long (+ 10 s per 512 tokens) = data plane down
+    rewire_timeout_s: float = 15.0  # every stage of the new ring must answer its StageConfigure within this
+
+
+@dataclass
+class RecoveryRecord:
+    """One recovery, for status displays, benchmarks and docs/reliability.md."""
+
+    reason: str  # what was detected
+    lost: tuple[int, ...]  # ring positions replaced
+    graceful: bool  # a migration rather than a loss
+    detected: float  # time.monotonic() of detection
+    replan_s: float = 0.0  # provider time (replacement started and loaded)
+    rewire_s: float = 0.0  # StageConfigure round trip of the new ring
+    resume_s: float = 0.0  # detection -> every affected stream had its next token (or ended)
+    streams: int = 0  # streams replayed
+    replayed_tokens: int = 0  # tokens prefilled again
+    ok: bool = False  # the ring runs again
+    error: str = ""  # why not
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future, repr=False)
+
+    def to_dict(self) -> dict:
+        return {"reason": self.reason, "lost": list(self.lost), "graceful": self.graceful,
+                "replan_s": round(self.replan_s, 3), "rewire_s": round(self.rewire_s, 3),
+                "resume_s": round(self.resume_s, 3), "streams": self.streams,
+                "replayed_tokens": self.replayed_tokens, "ok": self.ok, "error": self.error}
+
+
+@dataclass
+class _Replay:
+    ids: list[int]  # prompt + generated tokens to prefill again
+    pos: int = 0  # how many are in the new KV state
+
+
+class _CallableProvider:
+    def __init__(self, fn: Callable[[RingLoss], Sequence[Any]]) -> None:
+        self.fn = fn
+
+    def replan(self, loss: RingLoss) -> Sequence[Any]:
+        return self.fn(loss)
+
+    def retire(self, links: Sequence[Any], reason: str) -> None:
+        pass
+
+
+class RingRecovery:
+    """Owned by a PipelineEngine; every method except migrate() runs on its coordinator thread."""
+
+    def __init__(self, engine: "PipelineEngine", provider: Any = None,
+                 config: RecoveryConfig = RecoveryConfig()) -> None:
+        self.engine = engine
+        self.provider = provider
+        self.config = config
+        self.records: list[RecoveryRecord] = []
+        self.state = "ok"  # ok | replanning | broken
+        self.paused = False  # no step leaves; results are dropped
+        self._current: RecoveryRecord | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._loss: RingLoss | None = None
+        self._migrations: queue.SimpleQueue = queue.SimpleQueue()
+        self._replays: dict[str, _Replay] = {}
+        self._resuming: set[str] = set()  # stream ids still to produce their first token after a recovery
+        self._stalls = 0  # consecutive data-plane stalls without progress
+
+    @property
+    def enabled(self) -> bool:
+        return self.provider is not None
+
+    def set_provider(self, provider: Any, config: RecoveryConfig | None = None) -> None:
+        if provider is not None and not hasattr(provider, "replan"):
+            provider = _CallableProvider(provider)
+        self.provider = provider
+        if config is not None:
+            self.config = config
+
+    def status(self) -> tuple[str, str]:
+        """(state, detail) for Engine.load()."""
+        if self.engine._broken:
+            return "broken", self.engine._broken
+        if self.state == "replanning" or self.paused or self._replays:
+            return "recovering", self._current.reason if self._current else ""
+        return "ok", ""
+
+    # -- API (any thread) -----------------------------------------------------
+    def migrate(self, index: int, reason: str) -> concurrent.futures.Future:
+        """Ask for stage `index` to be replaced while it still serves; the Future
+        gets the RecoveryRecord once the new ring runs (or the exception)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.enabled:
+            fut.set_exception(RecoveryImpossible("this pipeline has no re-plan provider"))
+            return fut
+        if not 0 <= index < len(self.engine.stages):
+            fut.set_exception(IndexError(f"no stage {index} in a ring of {len(self.engine.stages)}"))
+            return fut
+        self._migrations.put((self.engine.stages[index], reason, fut))
+        self.engine._wake()
+        return fut
+
+    # -- coordinator thread: detection -----------------------------------------
+    def tick(self) -> None:
+        """Called instead of the engine's own liveness check when recovery is enabled."""
+        e = self.engine
+        if e._broken:
+            return
+        now = time.monotonic()
+        if self.state == "replanning":
+            lost = self._lost_stages(now, skip=set(self._loss.lost) if self._loss else set())
+            if self._loss is not None and self._loss.graceful and any(i in self._loss.lost for i in
+                                                                      self._lost_stages(now)):
+                self.paused = True  # the migrating stage died before the hand-over: stop sending
+            if lost:
+                log.warning("pipeline: %s lost while recovering; handled after this recovery",
+                            ", ".join(e.stages[i].label for i in lost))
+            if self._future is not None and self._future.done():
+                self._finish_replan()
+            return
+        lost = self._lost_stages(now)
+        if lost:
+            self._start(tuple(sorted(lost)), "; ".join(lost.values()), graceful=False)
+            return
+        if self._check_stall(now):
+            return
+        self._check_resumed()
+        try:
+            link, reason, fut = self._migrations.get_nowait()
+        except queue.Empty:
+            return
+        if link not in e.stages:
+            fut.set_exception(RecoveryImpossible(f"{link.label} is no longer in the ring"))
+            return
+        self._start((e.stages.index(link),), f"{link.label}: {reason}", graceful=True, future=fut)
+
+    def _lost_stages(self, now: float, skip: set[int] = frozenset()) -> dict[int, str]:
+        e = self.engine
+        out: dict[int, str] = {}
+        for i, link in enumerate(e.stages):
+            if i in skip:
+                continue
+            reason = e._exit_reason(link)
+            if reason is None:
+                silent = now - e._last_pong[i]
+                if silent > e.config.ping_timeout_s:
+                    reason = f"{link.label} stopped answering for {silent:.1f} s"
+            if reason:
+                out[i] = reason
+        return out
+
+    def _check_stall(self, now: float) -> bool:
+        """A step stuck in the ring while every stage answers pings = the data plane is down."""
+        e = self.engine
+        active = getattr(e, "_active", {})
+        t = time.perf_counter()
+        for f in active.values():
+            if not f.in_flight or self.paused:
+                continue
+            limit = self.config.step_timeout_s * (1.0 + f.in_flight / 512.0)
+            if t - f.sent_at > limit:
+                self._stalls += 1
+                reason = (f"a step of {len(e.stages)} stages took over {limit:.0f} s while every stage "
+                          f"answers: the connection between two stages is down")
+                if self._stalls > 2:
+                    self._give_up(f"{reason} (still after {self._stalls - 1} re-wirings)")
+                else:
+                    self._start((), reason, graceful=False)
+                return True
+        return False
+
+    def _check_resumed(self) -> None:
+        rec = self._current
+        if rec is None or rec.done.done():
+            return
+        active = getattr(self.engine, "_active", {})
+        self._resuming &= set(active)
+        if not self._resuming and not self._replays:
+            rec.resume_s = time.monotonic() - rec.detected
+            rec.ok = True
+            self._stalls = 0
+            log.warning("pipeline: recovered from %s in %.2f s (%d streams, %d tokens replayed)",
+                        rec.reason, rec.resume_s, rec.streams, rec.replayed_tokens)
+            rec.done.set_result(rec)
+
+    # -- coordinator thread: re-plan and re-wire ----------------------------------
+    def _start(self, lost: tuple[int, ...], reason: str, graceful: bool,
+               future: concurrent.futures.Future | None = None) -> None:
+        e = self.engine
+        now = time.monotonic()
+        if self._current is not None and not self._current.done.done():  # superseded
+            self._current.error = "superseded by another loss"
+            self._current.done.set_exception(RecoveryImpossible(f"another loss came first: {reason}"))
+        recent = [r for r in self.records if now - r.detected < self.config.window_s]
+        if len(recent) >= self.config.max_recoveries:
+            self._give_up(f"{reason} ({len(recent)} recoveries in the last "
+                          f"{self.config.window_s:.0f} s: the fleet is too unstable)")
+            return
+        rec = RecoveryRecord(reason, lost, graceful, now)
+        if future is not None:
+            rec.done.add_done_callback(lambda f: _copy_future(f, future))
+        self.records.append(rec)
+        self._current = rec
+        log.error("pipeline: %s; %s", reason, "migrating" if graceful else "recovering")
+        self.state = "replanning"
+        self.paused = not graceful
+        loss = RingLoss(lost, reason, tuple(e.stages), graceful)
+        self._loss = loss
+        if not lost:  # a stall: same stages, re-wired
+            self._future = concurrent.futures.Future()
+            self._future.set_result(list(e.stages))
+            self._finish_replan()
+            return
+        self._future = concurrent.futures.Future()
+        fut = self._future
+        provider = self.provider
+
+        def run() -> None:
+            try:
+                fut.set_result(list(provider.replan(loss)))
+            except BaseException as ex:  # noqa: BLE001 - reported on the coordinator thread
+                fut.set_exception(ex)
+            e._wake()
+
+        threading.Thread(target=run, name="pipeline-replan", daemon=True).start()
+
+    def _finish_replan(self) -> None:
+        e, rec, loss = self.engine, self._current, self._loss
+        assert self._future is not None and rec is not None and loss is not None
+        fut, self._future = self._future, None
+        rec.replan_s = time.monotonic() - rec.detected
+        try:
+            links = fut.result()
+        except RecoveryImpossible as ex:
+            self._give_up(f"{loss.reason}; {ex}")
+            return
+        except Exception as ex:  # noqa: BLE001
+            log.exception("pipeline: the re-plan failed")
+            self._give_up(f"{loss.reason}; the re-plan failed: {_one_line(ex)}")
+            return
+        if not links:
+            self._give_up(f"{loss.reason}; no peer can host the model any more")
+            return
+        t = time.perf_counter()
+        old = list(e.stages)
+        try:
+            dead = self._rewire(links)
+        except Exception as ex:  # noqa: BLE001
+            log.exception("pipeline: re-wiring failed")
+            self._give_up(f"{loss.reason}; re-wiring the ring failed: {_one_line(ex)}")
+            return
+        rec.rewire_s = time.perf_counter() - t
+        retired = [link for link in old if link not in links]
+        if retired and self.provider is not None:
+            try:
+                self.provider.retire(retired, loss.reason)
+            except Exception:  # noqa: BLE001
+                log.exception("pipeline: retiring old stages failed")
+        self.state = "ok"
+        self.paused = False
+        self._replay_all(rec)
+        if dead:  # a new stage failed to come up: recover again at once
+            self._start(tuple(sorted(dead)), "; ".join(dead.values()), graceful=False)
+
+    def _rewire(self, links: Sequence[Any]) -> dict[int, str]:
+        """Swap the coordinator onto `links`; returns stages that did not answer."""
+        e = self.engine
+        old_ctl, old_stages = list(e.ctl), list(e.stages)
+        # An orderly goodbye to stages that leave the ring (a migration; a dead one ignores it).
+        for i, link in enumerate(old_stages):
+            if link not in links:
+                try:
+                    old_ctl[i].send_multipart(_frames(StageShutdown("replaced in the ring")), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        poller = getattr(e, "_poller", None)
+        for s in old_ctl:
+            if poller is not None:
+                try:
+                    poller.unregister(s)
+                except KeyError:
+                    pass
+            s.close(linger=100)
+        me = b"coord-" + uuid.uuid4().hex[:12].encode()
+        curve = getattr(e.config, "curve", None)  # CURVE on the data plane (engine/fleet/curve_data.py)
+        zap = getattr(e, "_zap", None)
+        ctl = []
+        for link in links:
+            s = e._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, me)
+            s.setsockopt(zmq.SNDHWM, 0)
+            _tune(s)
+            key = getattr(link, "server_key", "")
+            if curve is not None:
+                curve.client(s, key)
+                if zap is not None and key:
+                    zap.admit(key)  # the return socket must take the new last stage's results
+            s.connect(link.endpoint)
+            ctl.append(s)
+            if poller is not None:
+                poller.register(s, zmq.POLLIN)
+        e.stages, e.ctl = list(links), ctl
+        for i, link in enumerate(e.stages):
+            link.index = i
+        n = len(links)
+        e.stats.stage_ms = [0.0] * n
+        e.stats.pongs = {}
+        e._last_pong = [time.monotonic()] * n
+        for i, link in enumerate(e.stages):
+            nxt = e.stages[i + 1].endpoint if i + 1 < n else e.return_endpoint
+            key = (getattr(e.stages[i + 1], "server_key", "") if i + 1 < n else
+                   curve.public if curve is not None else "")
+            e._send(i, StageConfigure(nxt, i, n, f"stage {i}", **({"next_key": key} if key else {})))
+        waiting = set(range(n))
+        deadline = time.monotonic() + self.config.rewire_timeout_s
+        dead: dict[int, str] = {}
+        while waiting and time.monotonic() < deadline:
+            for i in list(waiting):
+                why = e._exit_reason(e.stages[i])
+                if why:
+                    dead[i] = why
+                    waiting.discard(i)
+            for i in list(waiting):
+                if e.ctl[i].poll(0, zmq.POLLIN):
+                    while True:
+                        try:
+                            frames = e.ctl[i].recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        msg = _decode(frames)
+                        if isinstance(msg, StagePong) and msg.configured:
+                            e._on_pong(i, msg)
+                            waiting.discard(i)
+            if waiting:
+                time.sleep(0.005)
+        for i in waiting:
+            dead[i] = f"{e.stages[i].label} did not answer its configuration within " \
+                      f"{self.config.rewire_timeout_s:.0f} s"
+        return dead
+
+    def _replay_all(self, rec: RecoveryRecord) -> None:
+        """New stream ids for every admitted stream; free the old ones everywhere."""
+        e = self.engine
+        active: dict = getattr(e, "_active", {})
+        flights = list(active.values())
+        old_ids = [f.stream_id for f in flights] + list(getattr(e, "_to_free", []))
+        e._to_free = []
+        for k in range(0, len(old_ids), MAX_FREE):
+            msg = StageFree(tuple(old_ids[k:k + MAX_FREE]))
+            for i in range(len(e.stages)):
+                e._send(i, msg)
+        active.clear()
+        self._replays.clear()
+        self._resuming = set()
+        for f in flights:
+            reset_flight(f, f"s{next(e._ids)}")
+            gen = f.gen
+            if gen.output_ids:  # rebuild prompt + answer so far, then the next token comes back
+                self._replays[f.stream_id] = _Replay(list(gen.prompt_ids) + list(gen.output_ids))
+                rec.replayed_tokens += len(gen.prompt_ids) + len(gen.output_ids)
+            else:  # was still reading its prompt: read it again
+                gen.prefilled = 0
+                gen.pending = None
+                rec.replayed_tokens += len(gen.prompt_ids)
+            active[f.stream_id] = f
+            self._resuming.add(f.stream_id)
+        rec.streams = len(flights)
+        self._check_resumed()
+
+    def _give_up(self, reason: str) -> None:
+        self.state = "broken"
+        self.paused = False
+        self._replays.clear()
+        rec = self._current
+        if rec is not None and not rec.done.done():
+            rec.error = reason
+            rec.done.set_exception(RecoveryImpossible(reason))
+        self.engine._break(reason)
+
+    # -- coordinator thread: the send/result hooks ---------------------------------
+    def hold_send(self, f: "_Flight") -> bool:
+        """True when the step must not go out the usual way (paused, or replay sent here)."""
+        if self.paused:
+            return True
+        r = self._replays.get(f.stream_id)
+        if r is None:
+            return False
+        gen = f.gen
+        ids = r.ids[r.pos:r.pos + gen.chunk]
+        final = r.pos + len(ids) == len(r.ids)
+        step = StageStep(f.stream_id, f.seq, f.past, reset=f.past == 0, want_token=final,
+                         want_logits=final and f.sample)
+        f.in_flight, f.sent_at = len(ids), time.perf_counter()
+        self.engine._send(0, step, [np.array([ids], np.int64)])  # token ids [1, n]
+        return True
+
+    def take_result(self, active: dict, msg: Any) -> bool:
+        """True when a StageResult is consumed here (dropped while paused, or a replay chunk)."""
+        if self.paused:
+            return True
+        f = active.get(msg.stream_id)
+        if f is None or not f.in_flight or msg.seq != f.seq:
+            return False
+        self._stalls = 0
+        r = self._replays.get(msg.stream_id)
+        if r is None:
+            if msg.stream_id in self._resuming and msg.token is not None:
+                self._resuming.discard(msg.stream_id)
+            return False
+        n = f.in_flight
+        r.pos += n
+        if r.pos < len(r.ids):  # an intermediate replay chunk: nothing for the user
+            f.seq += 1
+            f.past += n
+            f.in_flight = 0
+            self.engine.stats.steps += 1
+            return True
+        del self._replays[msg.stream_id]  # the last chunk: its token is the next one of the answer
+        self._resuming.discard(msg.stream_id)
+        return False
+
+
+def reset_flight(f: Any, stream_id: str) -> None:
+    """A flight as if just admitted, keeping its Generation (prompt, answer so far, sampler)."""
+    f.stream_id = stream_id
+    f.seq = 0
+    f.past = 0
+    f.in_flight = 0
+    f.sent_at = 0.0
+    spec = getattr(f, "spec", None)  # speculative decoding (engine/pipeline/speculative.py)
+    if spec is not None:
+        resync = getattr(spec, "on_ring_reset", None)
+        if resync is not None:  # it re-syncs itself: new KV = prompt + answer, nothing hidden
+            resync(f)
+        else:  # plain decoding from here on: greedy output is the same, only slower
+            try:
+                spec.close()
+            finally:
+                f.spec = None
+
+
+def replan_onto(model: Any, peers: Sequence[Any], request: Any, links: Any = None) -> Any:
+    """For fleet launchers: the best plan over the peers still available (the
+    lost ones removed). Raises RecoveryImpossible with the planner's reason
+    (e.g. "needs 9.1 GB, the remaining peers have 6.0 GB") when none fits."""
+    from engine.pipeline.plan import PlanError, auto_plan
+
+    if not peers:
+        raise RecoveryImpossible("no peer is left to host the model")
+    try:
+        return auto_plan(model, peers, request, links)
+    except PlanError as ex:
+        raise RecoveryImpossible(f"the remaining peers cannot host the model: {ex}") from None
+
+
+def _copy_future(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> None:
+    if dst.done():
+        return
+    if src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
+
+
+def _frames(msg: Any) -> list:
+    from engine.protocol import encode_frames
+
+    return encode_frames(msg, [])
+
+
+def _decode(frames: list) -> Any:
+    from engine.protocol import ProtocolError, decode_frames
+
+    try:
+        return decode_frames(frames)[0]
+    except ProtocolError:
+        return None
+
+
+def _tune(sock: Any) -> None:
+    from engine.pipeline.health import tune_data_socket
+
+    tune_data_socket(sock)
+
+
+def _one_line(e: BaseException) -> str:
+    return (" ".join(str(e).split()) or type(e).__name__)[:300]
