@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QApplication, QDoubleSpinBox, QFormLayout, QFrame, QHBoxLayout, QLabel, QPlainTextEdit,
+    QApplication, QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QHBoxLayout, QLabel, QPlainTextEdit,
     QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
@@ -30,7 +30,7 @@ from app.prompt_edit import PromptEdit
 from app.session import EngineSession
 from app.store import ChatStore
 from engine import client
-from engine.protocol.messages import GenerateRequest, SamplingParams, TokenEvent
+from engine.protocol.messages import GenerateRequest, SamplingParams, SpeculativeParams, TokenEvent
 
 SAVE_MS = 40  # a streamed batch is saved and painted at most this often
 TITLE_CHARS = 48
@@ -77,6 +77,7 @@ class ChatPanel(QWidget):
         self._flush.timeout.connect(self._save_and_paint)
         self._build(detachable)
         session.changed.connect(self._sync)
+        session.load_changed.connect(self._sync)
         self._sync()
 
     # -- layout ---------------------------------------------------------------------
@@ -127,8 +128,17 @@ class ChatPanel(QWidget):
         form.addRow("Top-p", self.top_p)
         form.addRow("Max new tokens", self.max_tokens)
         form.addRow("Seed", self.seed)
+        self.spec_box = QComboBox()
+        self.spec_box.setAccessibleName("Speculative decoding")
+        for label, mode in (("Engine default", "default"), ("Off", "off"), ("Draft model", "draft"),
+                            ("Prompt lookup", "lookup")):
+            self.spec_box.addItem(label, mode)
+        self.spec_box.setToolTip("Speculative decoding for this conversation's answers (local dense and "
+                                 "pipeline engines; the answer is the same, only faster or slower)")
+        form.addRow("Speculative", self.spec_box)
         for w in (self.temperature, self.top_p, self.max_tokens, self.seed):
             w.valueChanged.connect(self._on_sampling_changed)
+        self.spec_box.currentIndexChanged.connect(self._on_sampling_changed)
         self.sampling_form.setVisible(False)
         sl.addWidget(self.system_edit, 2)
         sl.addWidget(self.sampling_form, 1)
@@ -216,7 +226,8 @@ class ChatPanel(QWidget):
         self.regen_button.setEnabled(ready and not self.answering and last is not None
                                      and last.role == "assistant")
         if self.session.state == "ready":
-            self.engine_label.setText(f"  {self.session.label()}")
+            load = self.session.load_text()
+            self.engine_label.setText(f"  {self.session.label()}" + (f" · {load}" if load else ""))
             self.send_button.setToolTip("Send (Enter)")
         else:
             why = {"opening": "the engine is starting", "failed": f"no engine: {self.session.error}",
@@ -260,7 +271,8 @@ class ChatPanel(QWidget):
 
     def _sampling_dict(self) -> dict:
         return {"temperature": self.temperature.value(), "top_p": self.top_p.value(),
-                "max_tokens": self.max_tokens.value(), "seed": self.seed.value()}
+                "max_tokens": self.max_tokens.value(), "seed": self.seed.value(),
+                "speculative": self.spec_box.currentData()}
 
     def _load_sampling(self, d: dict) -> None:
         for key, box in (("temperature", self.temperature), ("top_p", self.top_p),
@@ -269,6 +281,10 @@ class ChatPanel(QWidget):
                 box.blockSignals(True)
                 box.setValue(d[key])
                 box.blockSignals(False)
+        i = self.spec_box.findData(d.get("speculative", "default"))
+        self.spec_box.blockSignals(True)
+        self.spec_box.setCurrentIndex(max(0, i))
+        self.spec_box.blockSignals(False)
         self._on_sampling_changed(save=False)
 
     def _on_sampling_changed(self, *_args, save: bool = True) -> None:
@@ -307,7 +323,8 @@ class ChatPanel(QWidget):
         answer.message_id = self.store.add_message(cid, len(self.conversation.turns) - 1, "assistant",
                                                    "", STREAMING)
         request = GenerateRequest(request_id=f"chat-{uuid.uuid4().hex[:12]}",
-                                  messages=self.conversation.messages(), sampling=self.sampling)
+                                  messages=self.conversation.messages(), sampling=self.sampling,
+                                  speculative=self.speculative_params())
         self.last_request, self.last_events = request, []
         self._answer, self._request_id, self._engine_used = answer, request.request_id, engine
         self._stop = threading.Event()
@@ -315,10 +332,19 @@ class ChatPanel(QWidget):
         self.chat_view.render_now()
         self._sync()
         self.answering_changed.emit(True)
+        self.session.answer_started()
         task = self.runner.iterate(_stream_request, engine, request, self._stop, name="stream")
         task.item.connect(lambda ev: self._on_event(answer, ev))
         task.failed.connect(lambda exc: self._on_stream_failed(answer, exc))
         task.finished.connect(lambda: self._on_stream_finished(answer))
+
+    def speculative_params(self) -> SpeculativeParams | None:
+        """This conversation's speculation (None = the engine's default). Only the
+        engines that speculate (local dense, pipeline) are asked to."""
+        mode = self.spec_box.currentData()
+        if mode == "default" or self.session.kind not in ("local", "pipeline"):
+            return None
+        return SpeculativeParams(mode=mode)
 
     def stop(self) -> None:
         """Cancel the running answer; the engine ends it with a 'cancelled' event."""
@@ -431,6 +457,7 @@ class ChatPanel(QWidget):
         self._engine_failed(answer.note)
 
     def _on_stream_finished(self, answer: Turn) -> None:
+        self.session.answer_ended()
         if answer.state not in (DONE, CANCELLED, ERROR):
             # The stream ended without a final event (engine closed under us).
             answer.state = ERROR

@@ -26,6 +26,7 @@ from PySide6.QtWidgets import (
 from app import style
 from app.background import Runner
 from app.chat_page import ChatPage
+from app.fleet_model import FleetModel
 from app.fleet_view import FleetView
 from app.models_view import ModelsView
 from app.plan_view import PlanView
@@ -77,12 +78,15 @@ class MainWindow(QMainWindow):
         self._is_shut_down = False
         self.apply_theme(self.settings.theme)
 
-        self.fleet = FleetView(self.session, self.runner)
+        self.fleet_model = FleetModel(self.runner, self.settings.fleet_interfaces, self)
+        self.fleet = FleetView(self.session, self.runner, self.fleet_model)
         self.models = ModelsView(self.session, self.runner)
-        self.plan = PlanView(self.session, self.runner)
+        self.plan = PlanView(self.session, self.runner, self.fleet_model)
         self.chat = ChatPage(self.session, self.store, self.runner)
         self.settings_view = SettingsView(self.session, self.runner, self.settings, config, data)
         self.settings_view.theme_chosen.connect(self.apply_theme)
+        self.settings_view.interfaces_chosen.connect(self.fleet_model.start)
+        self.fleet_model.start()
         self.models.plan_requested.connect(self._plan_model)
         self._build()
         self.session.changed.connect(self._sync_status)
@@ -212,6 +216,7 @@ class MainWindow(QMainWindow):
         self._closing = True
         self.chat.panel.stop()
         self.chat.close_windows()
+        self.fleet_model.stop()
         self.settings_view.shutdown()
         self.session.shutdown()
         QTimer.singleShot(CLOSE_GRACE_MS, self._force_shutdown)

@@ -8,10 +8,15 @@ peer order, runs on the Runner. The editor always keeps a plan on screen:
 an edit that overflows memory is drawn red with the planner's reason and
 cannot be launched.
 
-Peers: N simulated local stages ("this PC ×N": real worker processes on
-loopback through the local pipeline runner) plus any reachable fleet peer.
-Fleet peers can be planned but not launched until the fleet controller
-lands (the reason is shown).
+Peers ("Run on"): N simulated local stages ("this PC ×N": real worker
+processes on loopback through the local pipeline runner), or the fleet: every
+agent the Fleet view sees. Fleet plans launch through the fleet launcher
+(engine/fleet/launch.py, checked at runtime) once every peer in the plan is
+paired and sharing; until then Launch is disabled with the reason.
+
+Speculative decoding (engine/speculative): off, a draft model (demo-draft for
+demo) or prompt lookup (no model), with K and adaptive K; it becomes the
+engine's default, which a chat can still override per request.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from PySide6.QtWidgets import (
 
 from app import style
 from app.background import Runner
+from app.fleet_model import FleetModel
 from app.layer_bar import LayerBar, Segment
 from app.memory_bar import MemoryBar
 from app.session import OPENING, READY, EngineSession
@@ -35,9 +41,11 @@ LOCAL_KINDS = ("local", "moe", "sparse")
 class PlanView(QWidget):
     plan_changed = Signal()  # self.plan or self.error changed (tests wait on it)
 
-    def __init__(self, session: EngineSession, runner: Runner, parent: QWidget | None = None) -> None:
+    def __init__(self, session: EngineSession, runner: Runner, fleet: FleetModel,
+                 parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.session, self.runner = session, runner
+        self.session, self.runner, self.fleet = session, runner, fleet
+        self._fleet_ids: tuple = ()  # the fleet peers the plan was made over
         self.spec = "demo"
         self.model = None  # PlanModel
         self.profile = None  # ModelProfile
@@ -51,6 +59,8 @@ class PlanView(QWidget):
         self._build()
         session.changed.connect(self._sync_launch)
         session.launch_step.connect(self._on_launch_step)
+        fleet.changed.connect(self._fleet_changed)
+        self._sync_spec()
         self._load_kinds()
         self._load_models()
         self.set_model("demo")
@@ -83,9 +93,21 @@ class PlanView(QWidget):
         self.stages_spin.setToolTip("Simulated local stages: one worker process per stage on this PC "
                                     "(loopback), to plan and launch a pipeline without a fleet")
         self.stages_spin.valueChanged.connect(lambda _v: self._peers_changed())
-        for text, w in (("Model", self.model_box), ("Engine", self.engine_box), ("Peers", self.stages_spin)):
-            head.addWidget(QLabel(text, objectName="muted"))
+        self.where_box = QComboBox()
+        self.where_box.setAccessibleName("Run on")
+        self.where_box.addItem("This PC", "local")
+        self.where_box.addItem("Fleet peers", "fleet")
+        self.where_box.setItemData(0, "Stage processes on this PC (loopback): no fleet needed",
+                                   Qt.ItemDataRole.ToolTipRole)
+        self.where_box.setItemData(1, "The agents the Fleet view found (pair them to launch)",
+                                   Qt.ItemDataRole.ToolTipRole)
+        self.where_box.currentIndexChanged.connect(lambda _i: self._where_changed())
+        for text, w in (("Model", self.model_box), ("Engine", self.engine_box), ("Run on", self.where_box),
+                        ("Peers", self.stages_spin)):
+            label = QLabel(text, objectName="muted")
+            head.addWidget(label)
             head.addWidget(w)
+        self.stages_label = label
         root.addLayout(head)
 
         self.bar = LayerBar()
@@ -108,8 +130,34 @@ class PlanView(QWidget):
         self.context = QSpinBox(minimum=256, maximum=1_048_576, singleStep=1024, value=4096, suffix=" tokens")
         self.streams = QSpinBox(minimum=1, maximum=64, value=4)
         self.streams.setToolTip("Concurrent conversations; each keeps its own KV cache on every stage")
-        self.speculative = QCheckBox("Speculative decoding")
-        self.speculative.setEnabled(False)
+        spec_row = QHBoxLayout()
+        self.spec_mode = QComboBox()
+        self.spec_mode.setAccessibleName("Speculative decoding")
+        for label, mode in (("Off", "off"), ("Draft model", "draft"), ("Prompt lookup", "lookup")):
+            self.spec_mode.addItem(label, mode)
+        self.spec_mode.setItemData(1, "A small draft model proposes K tokens; the target checks them in one "
+                                      "pass (answers are identical)", Qt.ItemDataRole.ToolTipRole)
+        self.spec_mode.setItemData(2, "Drafts from earlier text of the conversation: no model, pays off on "
+                                      "repetitive text", Qt.ItemDataRole.ToolTipRole)
+        self.draft_box = QComboBox()
+        self.draft_box.setEditable(True)
+        self.draft_box.setAccessibleName("Draft model")
+        self.draft_box.setToolTip("The draft model (it must share the target's tokenizer)")
+        self.draft_box.setMinimumContentsLength(12)
+        self.spec_k = QSpinBox(minimum=1, maximum=client.SPEC_MAX_K, value=4, prefix="K = ")
+        self.spec_k.setAccessibleName("Drafted tokens per step")
+        self.spec_k.setToolTip("Drafted tokens per step (the start value when adaptive)")
+        self.spec_adaptive = QCheckBox("adaptive")
+        self.spec_adaptive.setChecked(True)
+        self.spec_adaptive.setToolTip("Adapt K to the running acceptance rate")
+        for w in (self.spec_mode, self.draft_box, self.spec_k, self.spec_adaptive):
+            spec_row.addWidget(w)
+        spec_row.addStretch(1)
+        self.spec_mode.currentIndexChanged.connect(lambda _i: self._sync_spec())
+        self.recover = QCheckBox("Recover a lost stage (warm standby process)")
+        self.recover.setChecked(True)
+        self.recover.setToolTip("When a stage process dies, a standby takes over and every answer "
+                                "continues (engine/pipeline/recovery.py)")
         self.cache_budget = QSpinBox(minimum=0, maximum=1_000_000, singleStep=256, value=0,
                                      suffix=" MB", specialValueText="automatic (from free RAM)")
         self.cache_budget.setToolTip("RAM for the MoE expert cache or the sparse neuron cache")
@@ -117,13 +165,13 @@ class PlanView(QWidget):
         self.spec_reason.setWordWrap(True)
         form.addRow("Context length", self.context)
         form.addRow("Streams", self.streams)
-        form.addRow(self.speculative, self.spec_reason)
+        form.addRow("Speculative decoding", spec_row)
+        form.addRow("", self.spec_reason)
+        form.addRow("Reliability", self.recover)
         form.addRow("Cache budget", self.cache_budget)
         self.context.valueChanged.connect(lambda _v: self._request_changed())
         self.streams.valueChanged.connect(lambda _v: self._request_changed())
-        ok, why = client.speculative_available()
-        self.speculative.setToolTip(why)
-        self.spec_reason.setText(why if not ok else "")
+        self._spec_ok, self._spec_why = client.speculative_available()
         row.addWidget(settings, 1)
 
         launch = QGroupBox("Launch")
@@ -150,7 +198,8 @@ class PlanView(QWidget):
         root.addLayout(row)
         root.addStretch(1)
         self.setTabOrder(self.model_box, self.engine_box)
-        self.setTabOrder(self.engine_box, self.stages_spin)
+        self.setTabOrder(self.engine_box, self.where_box)
+        self.setTabOrder(self.where_box, self.stages_spin)
         self.setTabOrder(self.stages_spin, self.bar)
 
     # -- inputs ---------------------------------------------------------------------------
@@ -201,23 +250,85 @@ class PlanView(QWidget):
         self._redraw()
 
         def load():
-            return client.plan_model(spec), (self._this_pc or client.this_pc())
+            return client.plan_model(spec), (self._this_pc or client.this_pc()), client.draft_models(spec)
 
         task = self.runner.call(load, name="plan-model")
         task.result.connect(lambda res: self._on_model(spec, res))
         task.failed.connect(lambda exc: self._fail(f"Cannot read {spec}: {exc}"))
 
     def _on_model(self, spec: str, res: tuple) -> None:
-        (model, profile), pc = res
+        (model, profile), pc, drafts = res
         if spec != self.spec:
             return
         self.model, self.profile, self._this_pc = model, profile, pc
+        self.draft_box.clear()
+        self.draft_box.addItems(drafts)
         self.context.setValue(min(self.context.value(), profile.max_context or self.context.value()))
         self.auto_plan()
 
+    @property
+    def on_fleet(self) -> bool:
+        return self.where_box.currentData() == "fleet"
+
+    def fleet_cards(self) -> list:
+        """The fleet peers the planner may use: every agent that answers."""
+        return [c for c in self.fleet.peers() if c.reachable]
+
+    def all_peers(self) -> list:
+        if self.on_fleet:
+            return client.fleet_peers(self.fleet_cards())
+        return client.local_peers(self.stages_spin.value(), self._this_pc) if self._this_pc else []
+
     def peers(self) -> list:
-        peers = client.local_peers(self.stages_spin.value(), self._this_pc) if self._this_pc else []
-        return [p for p in peers if p.peer_id not in self.excluded]
+        return [p for p in self.all_peers() if p.peer_id not in self.excluded]
+
+    def speculative_choice(self) -> client.SpecChoice | None:
+        mode = self.spec_mode.currentData()
+        if mode == "off" or not self.spec_mode.isEnabled():
+            return None
+        return client.SpecChoice(mode, self.spec_k.value(), self.spec_adaptive.isChecked(),
+                                 self.draft_box.currentText().strip() or None)
+
+    def _spec_blocker(self) -> str:
+        if not self._spec_ok:
+            return self._spec_why
+        if self.kind in ("moe", "sparse"):
+            return f"the {self.kind} engine has no speculative decoding (local dense and pipeline do)"
+        if self.kind == "pipeline" and self.on_fleet:
+            return "not passed to the fleet launcher yet: use it on this PC's pipeline or the local engine"
+        return ""
+
+    def _sync_spec(self) -> None:
+        why = self._spec_blocker()
+        self.spec_mode.setEnabled(not why)
+        on = not why and self.spec_mode.currentData() != "off"
+        self.draft_box.setEnabled(on and self.spec_mode.currentData() == "draft")
+        self.spec_k.setEnabled(on)
+        self.spec_adaptive.setEnabled(on)
+        self.spec_mode.setToolTip(why or "Draft tokens cheaply and verify them in one pass of the model")
+        self.spec_reason.setVisible(bool(why) or self.spec_mode.currentData() != "off")
+        self.spec_reason.setText(f"Not available here: {why}" if why else
+                                 ("Lookup needs no model; answers are identical either way."
+                                  if self.spec_mode.currentData() == "lookup" else
+                                  "Answers are identical; the draft runs on this PC." if on else ""))
+
+    def _where_changed(self) -> None:
+        self.excluded.clear()
+        self.stages_spin.setVisible(not self.on_fleet)
+        self.stages_label.setVisible(not self.on_fleet)
+        self.recover.setEnabled(self.kind == "pipeline" and not self.on_fleet)
+        self._sync_spec()
+        self.auto_plan()
+
+    def _fleet_changed(self) -> None:
+        if not self.on_fleet or self.model is None:
+            self._sync_launch()
+            return
+        ids = tuple(sorted(p.peer_id for p in self.all_peers()))
+        if ids != self._fleet_ids:
+            self.auto_plan()  # peers came or went: plan again
+        elif self.plan is not None:
+            self._request_changed()  # same peers, fresher figures (RAM, pairing): re-check the plan
 
     def request(self):
         return client.plan_request(self.context.value(), self.streams.value())
@@ -225,12 +336,16 @@ class PlanView(QWidget):
     def _on_kind_changed(self) -> None:
         local = self.kind in LOCAL_KINDS
         self.stages_spin.setEnabled(not local)
+        self.where_box.setEnabled(not local)
         self.bar.setEnabled(not local)
         self.cache_budget.setEnabled(self.kind in ("moe", "sparse"))
+        self.recover.setEnabled(self.kind == "pipeline" and not self.on_fleet)
+        self._sync_spec()
         self._sync_launch()
 
     def _peers_changed(self) -> None:
-        self.excluded = {p for p in self.excluded if int(p.split("-")[1]) < self.stages_spin.value()}
+        ids = {p.peer_id for p in self.all_peers()}
+        self.excluded = {p for p in self.excluded if p in ids}
         self.auto_plan()
 
     def _request_changed(self) -> None:
@@ -244,6 +359,17 @@ class PlanView(QWidget):
         if self.model is None:
             return
         model, peers, request, n = self.model, self.peers(), self.request(), len(self.peers())
+        self._fleet_ids = tuple(sorted(p.peer_id for p in self.all_peers())) if self.on_fleet else ()
+        if not peers:
+            self.plan = None
+            self._fail("no fleet peer answers yet: start `flotilla agent` on the PCs to lend, or add "
+                       "one by address in the Fleet view" if self.on_fleet else "no peers")
+            return
+        if self.on_fleet:  # real peers: the planner's choice (fastest bottleneck, fewest peers) stands
+            task = self.runner.call(lambda: (client.auto_plan(model, peers, request), ""), name="auto-plan")
+            task.result.connect(lambda res: self._set_plan(res[0], res[1]))
+            task.failed.connect(lambda exc: self._fail(str(exc)))
+            return
 
         def plan():
             best = client.auto_plan(model, peers, request)
@@ -308,6 +434,8 @@ class PlanView(QWidget):
 
     # -- drawing ----------------------------------------------------------------------------
     def _peer_name(self, peer_id: str) -> str:
+        if self.on_fleet:
+            return next((c.name for c in self.fleet.peers() if c.peer_id == peer_id), peer_id[:8])
         return next((p.name for p in client.local_peers(self.stages_spin.value(), self._this_pc)
                      if p.peer_id == peer_id), peer_id) if self._this_pc else peer_id
 
@@ -391,8 +519,27 @@ class PlanView(QWidget):
             return ""
         if self.plan is None or self.error:
             return f"the plan is invalid: {self.error}" if self.error else "no plan yet"
+        if self.on_fleet:
+            return self._fleet_blocker()
         if len({s.device for s in self.plan.stages}) > 1:
             return "the local runner runs every stage on one device: pick the same device for all"
+        return ""
+
+    def _fleet_blocker(self) -> str:
+        if not self.fleet.launch_ok:
+            return self.fleet.launch_reason
+        cards = {c.peer_id: c for c in self.fleet.peers()}
+        gone = [s.peer_id for s in self.plan.stages if s.peer_id not in cards]
+        if gone:
+            return f"{len(gone)} peer(s) of this plan left the fleet: plan again"
+        unpaired = [cards[s.peer_id].name for s in self.plan.stages if not cards[s.peer_id].paired]
+        if unpaired:
+            return (f"pair {', '.join(dict.fromkeys(unpaired))} first (Fleet view → Pair…): "
+                    "an agent obeys paired controllers only")
+        busy = [f"{cards[s.peer_id].name} ({cards[s.peer_id].sharing})" for s in self.plan.stages
+                if cards[s.peer_id].sharing_now is False]
+        if busy:
+            return f"not sharing right now: {', '.join(dict.fromkeys(busy))}"
         return ""
 
     def _sync_launch(self) -> None:
@@ -421,7 +568,8 @@ class PlanView(QWidget):
         self._clear_progress()
         if self.kind in LOCAL_KINDS:
             budget = self.cache_budget.value() * 1_000_000 or None
-            settings = {"context_length": self.context.value(), "streams": self.streams.value()} \
+            settings = {"context_length": self.context.value(), "streams": self.streams.value(),
+                        "speculative": self.speculative_choice()} \
                 if self.kind == "local" else {"cache_budget_bytes": budget}
             self.session.open(self.spec, self.kind, **settings)
             return
@@ -435,8 +583,15 @@ class PlanView(QWidget):
             self.progress_grid.addWidget(bar, i, 1)
             self.progress_grid.addWidget(label, i, 2)
             self._launch_rows[i] = (bar, label)
+        if self.on_fleet:
+            stages = [(s.peer_id, s.device, s.start, s.end) for s in self.plan.stages]
+            self.session.launch_fleet(self.spec, stages, self.fleet.peers(), self.context.value(),
+                                      self.streams.value())
+            return
         self.session.launch_pipeline(self.spec, ranges, self.plan.stages[0].device,
-                                     self.context.value(), self.streams.value())
+                                     self.context.value(), self.streams.value(),
+                                     speculative=self.speculative_choice(),
+                                     recover=self.recover.isChecked())
 
     def _clear_progress(self) -> None:
         while self.progress_grid.count():

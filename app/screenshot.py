@@ -6,7 +6,10 @@ engine and a short real conversation, in an isolated data/config folder.
 
 Writes fleet.png, models.png, plan.png, chat.png, settings.png (+ suffix).
 With --pipeline the Plan view launches a 2-stage local pipeline first, so the
-Fleet view shows the running ring. Exits non-zero if the chat does not complete.
+Fleet view shows the running ring. With --agent a real agent runs on loopback
+(mDNS on 127.0.0.1 only, its own config dir): the Fleet view discovers it and
+pairs with it (the code accepted as its owner would), and fleet-pairing.png
+shows the pairing dialog. Exits non-zero if the chat does not complete.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suffix", default="")
     ap.add_argument("--pipeline", action="store_true")
     ap.add_argument("--views", default="fleet,models,plan,chat,settings")
+    ap.add_argument("--agent", action="store_true", help="discover and pair a real agent on loopback")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     from app.settings import AppSettings
 
     Path(os.environ["FLOTILLA_CONFIG"]).mkdir(parents=True, exist_ok=True)
-    AppSettings(theme=args.theme).save(Path(os.environ["FLOTILLA_CONFIG"]))
+    AppSettings(theme=args.theme, fleet_interfaces="127.0.0.1").save(Path(os.environ["FLOTILLA_CONFIG"]))
+    agent = None
+    if args.agent:
+        from engine import client
+
+        agent = client.AgentHandle.spawn(["--bind", "127.0.0.1", "--port", "0", "--interface", "127.0.0.1",
+                                          "--idle-source", "none"], config=Path(tmp) / "agent-config")
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setStyle("Fusion")
     app.setWindowIcon(style.app_icon())
@@ -55,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     panel.max_tokens.setValue(40)  # the demo model is random: a wall of noise shows nothing
     pending = list(PROMPTS)
     result = {"code": 1}
-    views = args.views.split(",")
+    views = args.views.split(",") + (["plan-fleet"] if args.agent and "plan" in args.views else [])
 
     def step() -> None:
         if win.session.state == "failed":
@@ -77,7 +87,49 @@ def main(argv: list[str] | None = None) -> int:
             panel.send()
             QTimer.singleShot(200, step)
             return
-        QTimer.singleShot(300, lambda: shoot(list(views)))
+        QTimer.singleShot(300, pair_agent if agent is not None else (lambda: shoot(list(views))))
+
+    def pair_agent() -> None:
+        """Find the agent on the Fleet view, pair with it, shoot the dialog, accept the code."""
+        win.show_view("fleet")
+        cards = [w for w in win.fleet.cards if w.pair_button is not None]
+        if not cards:
+            QTimer.singleShot(300, pair_agent)
+            return
+        dlg = win.fleet.pair(cards[0].card)
+        from app.tray import Tray
+
+        tray = Tray(win.runner, agent, poll_ms=300, parent=win)  # the agent owner's tray, for its picture
+
+        def accept() -> None:
+            if not dlg.code:
+                QTimer.singleShot(200, accept)
+                return
+            if not (out / f"fleet-pairing{args.suffix}.png").exists() or accept.first:
+                accept.first = False
+                dlg.grab().save(str(out / f"fleet-pairing{args.suffix}.png"))
+                print(f"saved {out / f'fleet-pairing{args.suffix}.png'}")
+            if dlg.code not in tray.request_actions:
+                QTimer.singleShot(200, accept)
+                return
+            tray.menu.adjustSize()
+            tray.menu.grab().save(str(out / f"tray-menu{args.suffix}.png"))
+            print(f"saved {out / f'tray-menu{args.suffix}.png'}")
+            # As the agent's owner would, in its tray: the code matches, accept.
+            task = win.runner.call(agent.accept, dlg.code, name="owner-accepts")
+            task.failed.connect(lambda _e: QTimer.singleShot(300, accept))  # the request is not there yet
+            task.result.connect(lambda _n: QTimer.singleShot(300, finish))
+
+        accept.first = True
+
+        def finish() -> None:
+            if dlg.state != "accepted":
+                QTimer.singleShot(200, finish)
+                return
+            dlg.accept()
+            QTimer.singleShot(2500, lambda: shoot(list(views)))
+
+        QTimer.singleShot(800, accept)
 
     def shoot(todo: list[str]) -> None:
         if not todo:
@@ -85,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             win.shutdown()
             return
         key = todo.pop(0)
-        win.show_view(key)
+        if key == "plan-fleet":  # the plan over the discovered, paired agent
+            win.show_view("plan")
+            win.plan.where_box.setCurrentIndex(win.plan.where_box.findData("fleet"))
+        else:
+            win.show_view(key)
         if key == "chat":
             panel.prompt.setFocus()
 
@@ -102,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     QTimer.singleShot(TIMEOUT_MS, app.quit)
     app.exec()
     win.runner.wait_for_done(3000)
+    if agent is not None:
+        agent.stop()
     return result["code"]
 
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import threading
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.background import Runner
 from engine import client
 
 IDLE, OPENING, READY, FAILED, CLOSING = "idle", "opening", "ready", "failed", "closing"
+LOAD_MS = 500  # how often the engine's queue is read while answers are in flight
 
 
 def _open(spec: str, kind: str, device: str, settings: dict, progress) -> tuple:
@@ -30,9 +31,17 @@ def _open(spec: str, kind: str, device: str, settings: dict, progress) -> tuple:
 
 
 def _launch(spec: str, ranges: list, device: str, context_length, streams: int,
-            cancel: threading.Event, progress) -> tuple:
+            cancel: threading.Event, speculative, recover: bool, progress) -> tuple:
     engine = client.launch_pipeline(spec, ranges, device=device, context_length=context_length,
-                                    streams=streams, step=lambda s: progress(s), cancel=cancel)
+                                    streams=streams, step=lambda s: progress(s), cancel=cancel,
+                                    speculative=speculative, recover=recover)
+    return engine, engine.info
+
+
+def _launch_fleet(spec: str, stages: list, cards: list, context_length, streams: int,
+                  cancel: threading.Event, progress) -> tuple:
+    engine = client.launch_fleet(spec, stages, cards, context_length=context_length, streams=streams,
+                                 step=lambda s: progress(s), cancel=cancel)
     return engine, engine.info
 
 
@@ -42,6 +51,7 @@ class EngineSession(QObject):
     launch_step = Signal(object)  # client.LaunchStep while a pipeline launches
     failed = Signal(str)  # an open or launch failed: the reason
     closed = Signal()  # shutdown() finished
+    load_changed = Signal()  # answering / running / queued changed
 
     def __init__(self, runner: Runner, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -55,6 +65,12 @@ class EngineSession(QObject):
         self.error = ""  # why the last open failed
         self._generation = 0
         self._cancel: threading.Event | None = None
+        self.answering = 0  # this app's answers in flight (every chat window)
+        self.running: int | None = None  # the engine's own count (engine.load()), None = it cannot say
+        self.queued: int | None = None  # ... of requests waiting for a slot
+        self._load_timer = QTimer(self, interval=LOAD_MS)
+        self._load_timer.timeout.connect(self._read_load)
+        self._reading = False
 
     # -- reading ------------------------------------------------------------------
     def label(self) -> str:
@@ -66,6 +82,42 @@ class EngineSession(QObject):
     @property
     def is_ready(self) -> bool:
         return self.state == READY and self.engine is not None
+
+    def load_text(self) -> str:
+        """'3 queued' (the engine's queue, or this app's own answers when the engine
+        cannot say), '' when nothing waits."""
+        if self.queued is not None:
+            return f"{self.queued} queued" if self.queued > 0 else ""
+        return f"{self.answering} answering" if self.answering > 1 else ""
+
+    # -- answers in flight (queue display) -------------------------------------------
+    def answer_started(self) -> None:
+        self.answering += 1
+        if not self._load_timer.isActive():
+            self._load_timer.start()
+        self._read_load()
+
+    def answer_ended(self) -> None:
+        self.answering = max(0, self.answering - 1)
+        if self.answering == 0:
+            self._load_timer.stop()
+            self.running = self.queued = None
+        self.load_changed.emit()
+
+    def _read_load(self) -> None:
+        engine = self.engine
+        if engine is None or self._reading:
+            return
+        self._reading = True
+        task = self.runner.call(client.engine_load, engine, name="load")
+        task.result.connect(self._set_load)
+        task.finished.connect(lambda: setattr(self, "_reading", False))
+
+    def _set_load(self, load: tuple | None) -> None:
+        if self.answering == 0:
+            return
+        self.running, self.queued = load if load is not None else (None, None)
+        self.load_changed.emit()
 
     # -- opening ------------------------------------------------------------------
     def open(self, spec: str, kind: str = "local", device: str = "CPU", **settings) -> None:
@@ -79,14 +131,30 @@ class EngineSession(QObject):
         task.failed.connect(lambda exc: self._on_failed(generation, exc))
 
     def launch_pipeline(self, spec: str, ranges: list[tuple[int, int]], device: str = "CPU",
-                        context_length: int | None = None, streams: int = 4) -> None:
+                        context_length: int | None = None, streams: int = 4,
+                        speculative: client.SpecChoice | None = None, recover: bool = True) -> None:
         """Start a local pipeline (one worker process per range) and make it the engine."""
         text = f"{len(ranges)} stages: " + " | ".join(f"{a}–{b}" for a, b in ranges)
         self._begin(spec, "pipeline", text)
         generation = self._generation
         self._cancel = cancel = threading.Event()
         task = self.runner.call(_launch, spec, list(ranges), device, context_length, streams, cancel,
-                                report_to="progress", name="launch")
+                                speculative, recover, report_to="progress", name="launch")
+        self._follow_launch(task, generation)
+
+    def launch_fleet(self, spec: str, stages: list[tuple[str, str, int, int]], cards: list,
+                     context_length: int | None = None, streams: int = 4) -> None:
+        """Start the plan on fleet agents ((node id, device, start, end) per stage) and make it the engine."""
+        names = {c.peer_id: c.name for c in cards}
+        text = f"{len(stages)} peers: " + " | ".join(f"{names.get(p, p)} {a}–{b}" for p, _d, a, b in stages)
+        self._begin(spec, "pipeline", text)
+        generation = self._generation
+        self._cancel = cancel = threading.Event()
+        task = self.runner.call(_launch_fleet, spec, list(stages), list(cards), context_length, streams,
+                                cancel, report_to="progress", name="launch-fleet")
+        self._follow_launch(task, generation)
+
+    def _follow_launch(self, task, generation: int) -> None:
         task.item.connect(lambda v: self._on_step(generation, v[0]))
         task.result.connect(lambda res: self._on_opened(generation, res))
         task.failed.connect(lambda exc: self._on_failed(generation, exc))

@@ -22,6 +22,7 @@ class AppSettings:
     api_port: int = 8000  # the local API server's port
     data_folder: str = ""  # conversations live here ("" = default; $FLOTILLA_DATA wins)
     last_model: str = "demo"  # opened at start: the demo needs no set-up
+    fleet_interfaces: str = ""  # mDNS discovery: "" = all interfaces, else comma-separated names/IPv4s
 
     @classmethod
     def load(cls, folder: Path) -> "AppSettings":

@@ -12,11 +12,12 @@ from pathlib import Path
 from PySide6.QtCore import QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
-    QButtonGroup, QCheckBox, QDoubleSpinBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
-    QLabel, QPushButton, QRadioButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
+    QButtonGroup, QCheckBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
+    QPushButton, QRadioButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
 )
 
 from app.background import Runner
+from app.policy_form import PolicyForm
 from app.session import EngineSession
 from app.settings import AppSettings
 from engine import client
@@ -24,6 +25,7 @@ from engine import client
 
 class SettingsView(QWidget):
     theme_chosen = Signal(str)  # "light" | "dark" | "system"
+    interfaces_chosen = Signal(str)  # discovery interfaces ("" = all)
 
     def __init__(self, session: EngineSession, runner: Runner, settings: AppSettings,
                  config: Path, data: Path, parent: QWidget | None = None) -> None:
@@ -91,34 +93,44 @@ class SettingsView(QWidget):
         self.api_port.editingFinished.connect(self._api_port_changed)
         root.addWidget(api)
 
+        disc = QGroupBox("Finding peers")
+        fl = QFormLayout(disc)
+        fl.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.FieldsStayAtSizeHint)
+        self.interfaces = QLineEdit(settings.fleet_interfaces)
+        self.interfaces.setPlaceholderText("all interfaces")
+        self.interfaces.setAccessibleName("Discovery interfaces")
+        self.interfaces.setToolTip("Network interfaces (names like eth0, or IPv4 addresses, comma-separated) "
+                                   "where the app looks for agents over mDNS. Empty = all of them.")
+        self.interfaces.setMinimumWidth(240)
+        self.interfaces.returnPressed.connect(self._apply_interfaces)
+        apply_button = QPushButton("Apply")
+        apply_button.clicked.connect(self._apply_interfaces)
+        irow = QHBoxLayout()
+        irow.addWidget(self.interfaces)
+        irow.addWidget(apply_button)
+        irow.addStretch(1)
+        fl.addRow("Look for agents on", irow)
+        fl.addRow(QLabel("Where multicast does not reach (guest Wi-Fi, another subnet), add a peer by "
+                         "address in the Fleet view.", objectName="hint", wordWrap=True))
+        root.addWidget(disc)
+
         share = QGroupBox("Sharing this PC with the fleet")
-        sl = QFormLayout(share)
-        sl.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.FieldsStayAtSizeHint)
-        self.share_enabled = QCheckBox("Lend this PC to the fleet when it is idle")
-        self.idle_minutes = QDoubleSpinBox(minimum=0, maximum=1440, decimals=0, suffix=" min")
-        self.require_ac = QCheckBox("Only on mains power (never on battery)")
-        self.max_ram = QDoubleSpinBox(minimum=0, maximum=4096, decimals=1, suffix=" GB")
-        devs = QHBoxLayout()
-        self.device_checks = {d: QCheckBox(d) for d in ("CPU", "GPU", "NPU")}
-        for c in self.device_checks.values():
-            devs.addWidget(c)
-        devs.addStretch(1)
-        self.yield_back = QCheckBox("Stop fleet work within 2 s when I come back")
+        sl = QVBoxLayout(share)
+        self.policy_form = PolicyForm()
+        # The form's controls, under the names the rest of the view (and the tests) use.
+        f = self.policy_form
+        self.share_enabled, self.idle_minutes, self.require_ac = f.share_enabled, f.idle_minutes, f.require_ac
+        self.max_ram, self.device_checks, self.yield_back = f.max_ram, f.device_checks, f.yield_back
         self.save_policy_button = QPushButton("Save sharing policy", objectName="primary")
         self.save_policy_button.clicked.connect(self.save_policy)
         self.policy_status = QLabel("", objectName="hint")
         self.policy_status.setWordWrap(True)
-        sl.addRow(self.share_enabled)
-        sl.addRow("Idle for at least", self.idle_minutes)
-        sl.addRow(self.require_ac)
-        sl.addRow("RAM the fleet may use", self.max_ram)
-        sl.addRow("Devices", devs)
-        sl.addRow(self.yield_back)
+        sl.addWidget(f)
         save_row = QHBoxLayout()
         save_row.addWidget(self.save_policy_button)
         save_row.addStretch(1)
-        sl.addRow(save_row)
-        sl.addRow(self.policy_status)
+        sl.addLayout(save_row)
+        sl.addWidget(self.policy_status)
         root.addWidget(share)
         root.addStretch(1)
 
@@ -131,6 +143,14 @@ class SettingsView(QWidget):
         self.settings.theme = name
         self.settings.save(self.config)
         self.theme_chosen.emit(name)
+
+    def _apply_interfaces(self) -> None:
+        text = ", ".join(i.strip() for i in self.interfaces.text().split(",") if i.strip())
+        self.interfaces.setText(text)
+        if text != self.settings.fleet_interfaces:
+            self.settings.fleet_interfaces = text
+            self.settings.save(self.config)
+            self.interfaces_chosen.emit(text)
 
     def _change_data(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Choose the data folder")
@@ -209,22 +229,10 @@ class SettingsView(QWidget):
         task.failed.connect(lambda exc: self.policy_status.setText(f"Cannot read the policy: {exc}"))
 
     def _show_policy(self, p: dict) -> None:
-        self.share_enabled.setChecked(bool(p.get("enabled", True)))
-        self.idle_minutes.setValue(float(p.get("idle_minutes", 5)))
-        self.require_ac.setChecked(bool(p.get("require_ac", True)))
-        self.max_ram.setValue(float(p.get("max_ram_gb", 8)))
-        for d, c in self.device_checks.items():
-            c.setChecked(d in p.get("devices", []))
-        self.yield_back.setChecked(bool(p.get("yield_on_return", True)))
-        self._policy = p
+        self.policy_form.set_policy(p)
 
     def policy(self) -> dict:
-        p = dict(getattr(self, "_policy", {}))
-        p.update(enabled=self.share_enabled.isChecked(), idle_minutes=self.idle_minutes.value(),
-                 require_ac=self.require_ac.isChecked(), max_ram_gb=self.max_ram.value(),
-                 devices=[d for d, c in self.device_checks.items() if c.isChecked()],
-                 yield_on_return=self.yield_back.isChecked())
-        return p
+        return self.policy_form.policy()
 
     def save_policy(self) -> None:
         task = self.runner.call(client.save_sharing_policy, self.policy(), name="save-policy")

@@ -111,6 +111,7 @@ def _stylesheet() -> str:
 QMainWindow, QWidget#central, QStackedWidget > QWidget {{ background: {PAGE}; }}
 QWidget {{ color: {TEXT}; font-size: 10.5pt; }}
 QLabel#title {{ font-size: 15pt; font-weight: 600; }}
+QLabel#code {{ font-size: 26pt; font-weight: 700; letter-spacing: 4px; color: {ACCENT}; padding: 8px; }}
 QLabel#section {{ font-size: 11.5pt; font-weight: 600; margin-top: 6px; }}
 QLabel#muted, QLabel#hint {{ color: {MUTED}; }}
 QLabel#error {{ color: {ERROR}; }}

@@ -5,12 +5,17 @@ This is the only engine module, besides engine.protocol, that app/ may import
 through a function here, so the engine packages can change shape without the
 app noticing, and so one file shows the whole app <-> engine surface:
 
-  engines   engine_kinds, open_engine, launch_pipeline, ring_snapshot, stage_pids
+  engines   engine_kinds, open_engine, launch_pipeline, ring_snapshot, stage_pids,
+            engine_load, SpecChoice, speculative_available, draft_models
   models    list_models, list_demo_models, model_profile, import_model_folder,
             download_model, convert_to_openvino
   planning  plan_model, local_peers, fleet_peers, plan_request, auto_plan,
             evaluate_plan, move_boundary, exclude_peer, pin_device, balanced_plan
-  fleet     fleet_snapshot, peer_addresses, add_peer_address, remove_peer_address
+  fleet     this_pc, FleetWatcher (mDNS + manual peers, live), pair_peer,
+            pairing_code_for, fleet_launch_available, launch_fleet,
+            peer_addresses, add_peer_address, remove_peer_address
+  agent     AgentHandle: this PC's agent as its tray drives it (state, pairing
+            requests accept/deny, revoke, pause, share now, policy)
   settings  config_dir, data_dir, sharing_policy_path, load/save_sharing_policy
   API       start_api_server
 
@@ -38,15 +43,17 @@ from typing import Any, Callable, Sequence
 from engine.serve.interface import Engine, EngineError, EngineInfo
 
 __all__ = [
-    "Engine", "EngineError", "EngineInfo", "EngineKind", "FleetSnapshot", "LaunchCancelled",
-    "LaunchStep", "PeerCard", "RingSnapshot", "RingStage", "DownloadPaused",
-    "open_engine", "engine_kinds", "launch_pipeline", "ring_snapshot", "stage_pids",
-    "list_demo_models", "list_models", "model_profile", "import_model_folder", "download_model",
-    "convert_to_openvino", "plan_model", "local_peers", "fleet_peers", "plan_request",
-    "auto_plan", "balanced_plan", "evaluate_plan", "move_boundary", "exclude_peer", "pin_device",
-    "fleet_snapshot", "peer_addresses", "add_peer_address", "remove_peer_address",
-    "config_dir", "data_dir", "sharing_policy_path", "load_sharing_policy", "save_sharing_policy",
-    "start_api_server", "speculative_available",
+    "AgentHandle", "AgentState", "DownloadPaused", "Engine", "EngineError", "EngineInfo", "EngineKind",
+    "FleetChange", "FleetWatcher", "LaunchCancelled", "LaunchStep", "PairedController", "PairingRequest",
+    "PeerCard", "RingSnapshot", "RingStage", "SpecChoice",
+    "open_engine", "engine_kinds", "engine_load", "launch_pipeline", "launch_fleet", "ring_snapshot",
+    "stage_pids", "speculative_available", "draft_models", "list_demo_models", "list_models",
+    "model_profile", "import_model_folder", "download_model", "convert_to_openvino", "plan_model",
+    "local_peers", "fleet_peers", "plan_request", "auto_plan", "balanced_plan", "evaluate_plan",
+    "move_boundary", "exclude_peer", "pin_device", "this_pc", "controller_name", "pair_peer",
+    "pairing_code_for", "fleet_launch_available", "peer_addresses", "add_peer_address",
+    "remove_peer_address", "config_dir", "data_dir", "sharing_policy_path", "load_sharing_policy",
+    "save_sharing_policy", "start_api_server",
 ]
 
 Progress = Callable[[str, float], None]  # (what is happening, fraction 0..1)
@@ -109,23 +116,71 @@ def engine_kinds() -> list[EngineKind]:
     return out
 
 
+@dataclass(frozen=True)
+class SpecChoice:
+    """Speculative decoding as the app offers it (engine/speculative): the
+    engine's default for every request; a request can still say otherwise."""
+
+    mode: str = "off"  # "off" | "draft" (a small draft model) | "lookup" (prompt n-grams, no model)
+    k: int = 4  # drafted tokens per step (the start value when adaptive)
+    adaptive: bool = True  # adapt K to the running acceptance rate
+    draft_model: str | None = None  # draft model spec (demo-draft for demo); None = the target's known draft
+
+
+SPEC_MODES = ("off", "draft", "lookup")
+SPEC_MAX_K = 16
+
+
 def speculative_available() -> tuple[bool, str]:
-    """Speculative decoding in the pipeline (mask-based rollback): not built yet."""
+    """Speculative decoding (engine/speculative, mask-based rollback): can it be switched on?"""
     try:
-        importlib.import_module("engine.pipeline.speculative")
+        importlib.import_module("engine.speculative.config")
+    except Exception as e:
+        return False, f"speculative decoding does not import: {_one_line(e)}"
+    return True, ""
+
+
+def draft_models(spec: str) -> list[str]:
+    """Draft model choices for a target, the known draft first (demo -> demo-draft)."""
+    from engine.models.demo import demo_ids
+    from engine.speculative.config import known_draft
+
+    first = known_draft(spec)
+    rest = [d for d in demo_ids() if d.endswith("draft") and d != first]
+    return ([first] if first else []) + rest
+
+
+def _spec_config(choice: SpecChoice | None) -> Any:
+    if choice is None or choice.mode == "off":
+        return None
+    from engine.speculative.config import SpecConfig
+
+    return SpecConfig(mode=choice.mode, k=choice.k, k_max=max(choice.k, 8), adaptive=choice.adaptive,
+                      draft_model=choice.draft_model if choice.mode == "draft" else None)
+
+
+def engine_load(engine: Engine | None) -> tuple[int, int] | None:
+    """(running, queued) requests of an engine now, when it can say (engine.load());
+    None otherwise. Cheap (a counter under a lock), but call it off the GUI thread."""
+    load = getattr(engine, "load", None)
+    if load is None:
+        return None
+    try:
+        now = load()
+        return int(now.running), int(now.queued)
     except Exception:
-        return False, "speculative decoding has not landed yet (engine/pipeline/speculative.py)"
-    return False, ("speculative decoding (engine/pipeline/speculative.py) is not wired into the "
-                   "app's launch yet: it needs a draft model choice in the plan editor")
+        return None
 
 
 def open_engine(spec: str = "demo", device: str = "CPU", progress: Progress | None = None,
                 kind: str = "local", cache_budget_bytes: int | None = None,
-                context_length: int | None = None, streams: int | None = None) -> Engine:
+                context_length: int | None = None, streams: int | None = None,
+                speculative: SpecChoice | None = None) -> Engine:
     """Open an engine of `kind` for `spec` (a demo id, a model folder or a hub id).
 
     Blocking and slow (it may build a demo model and compile it): call it off
-    the GUI thread. `progress` is called from that same thread.
+    the GUI thread. `progress` is called from that same thread. `speculative`
+    (local engine): the default speculation of its requests.
     """
     if kind == "local":
         from engine.serve.local import LocalEngine  # lazy: pulls in torch/OpenVINO
@@ -135,6 +190,9 @@ def open_engine(spec: str = "demo", device: str = "CPU", progress: Progress | No
             kw["context_length"] = context_length
         if streams:
             kw["max_concurrent"] = streams
+        spec_cfg = _spec_config(speculative)
+        if spec_cfg is not None:
+            kw["speculative"] = spec_cfg
         return LocalEngine.from_spec(spec, device=device, progress=progress, **kw)
     from engine.serve.factory import EngineOptions, open_engine as factory_open
 
@@ -159,94 +217,42 @@ class LaunchCancelled(EngineError):
 def launch_pipeline(spec: str, ranges: Sequence[tuple[int, int]], device: str = "CPU",
                     context_length: int | None = None, streams: int = 4,
                     step: Callable[[LaunchStep], None] | None = None,
-                    cancel: threading.Event | None = None) -> Engine:
-    """The steps of engine.pipeline.runner.launch_pipeline (plan, export,
-    start, wire), taken one by one so that each stage's progress can be
-    reported and a cancel can stop the processes between and during them.
+                    cancel: threading.Event | None = None, speculative: Any = None,
+                    recover: bool = True) -> Engine:
+    """Start a pipeline of len(ranges) stage processes on this PC (loopback)
+    and wire it: engine.pipeline.runner.launch_pipeline with its per-stage
+    progress and cancel hooks. Blocking.
 
-    Start a pipeline of len(ranges) stage processes on this PC (loopback) and
-    wire it. Blocking. Reports LaunchStep per stage (transfer = the shard is
-    exported/copied into place, compile = the worker loads and compiles it,
-    ready). Setting `cancel` stops every process and raises LaunchCancelled.
-    PlanError when the plan does not fit, before anything starts."""
-    from engine.pipeline.coordinator import PipelineConfig, PipelineEngine
-    from engine.pipeline.runner import FleetConfig, LocalFleet, PipelineLaunchError
+    Reports LaunchStep per stage (transfer = the shard is exported/copied into
+    place, compile = the worker loads and compiles it, ready). Setting `cancel`
+    stops every process and raises LaunchCancelled. PlanError when the plan
+    does not fit, before anything starts. `speculative`: a SpecChoice (or
+    None = off); `recover`: re-plan onto a warm standby when a stage dies."""
+    from engine.pipeline.runner import FleetConfig
+    from engine.pipeline.runner import LaunchCancelled as RunnerCancelled
+    from engine.pipeline.runner import launch_pipeline as run
 
     report = step or (lambda _s: None)
-    cancel = cancel or threading.Event()
     n = len(ranges)
     cfg = FleetConfig(model=spec, stages=n, split=tuple((int(a), int(b)) for a, b in ranges),
-                      device=device, context_length=context_length, max_concurrent=max(1, streams))
+                      device=device, context_length=context_length, max_concurrent=max(1, streams),
+                      recover=recover)
+    weights = {"transfer": (0.0, 0.4), "compile": (0.4, 0.6), "ready": (1.0, 0.0)}
+    words = {"transfer": "shard in place", "compile": "worker compiling", "ready": "ready"}
+
+    def on_stage(i: int, phase: str, fraction: float) -> None:
+        base, span = weights.get(phase, (0.0, 0.0))
+        message = words.get(phase, phase) if phase != "transfer" or fraction >= 1.0 else "exporting shard"
+        report(LaunchStep(i, phase, base + span * fraction, message))
+
     for i in range(n):
         report(LaunchStep(i, "waiting", 0.0, "waiting"))
-
-    def on_export(message: str, fraction: float) -> None:
-        # LocalFleet.export reports (…, i / n) before stage i and (…, 1.0) at the end.
-        i = min(n - 1, int(round(fraction * n)))
-        if fraction < 1.0:
-            if i > 0:
-                report(LaunchStep(i - 1, "transfer", 0.3 * i / n, "shard in place"))
-            report(LaunchStep(i, "transfer", 0.3 * fraction, message))
-        if cancel.is_set():
-            raise LaunchCancelled("launch cancelled")
-
-    fleet = LocalFleet(cfg, on_export)  # plans (may raise PlanError): nothing started yet
-    over = threading.Event()
-    threading.Thread(target=_stop_on_cancel, args=(cancel, over, fleet), daemon=True).start()
     try:
-        infos = fleet.export()
-        for i in range(n):
-            report(LaunchStep(i, "transfer", 0.3, "shard in place"))
-        _check_cancel(cancel)
-        links = fleet.launch(infos)
-        for i in range(n):
-            report(LaunchStep(i, "compile", 0.5, f"worker pid {links[i].proc.pid} compiling"))
-        _check_cancel(cancel)
-        pcfg = PipelineConfig(max_concurrent=cfg.max_concurrent, prefill_chunk=cfg.prefill_chunk,
-                              context_length=fleet.context_length, return_bind=f"tcp://{cfg.host}:*",
-                              ready_timeout_s=cfg.ready_timeout_s, device=cfg.device)
-        # What runner.launch_pipeline does to wire the ring, kept in step with it:
-        # an encrypted ring needs the coordinator's CURVE keys.
-        if getattr(fleet, "ring_keys", None) is not None and getattr(pcfg, "curve", None) is None:
-            pcfg = dataclasses.replace(pcfg, curve=fleet.ring_keys.coordinator)
-        engine = PipelineEngine(links, fleet.model_path, fleet.resolved.model_id, pcfg,
-                                on_close=fleet.stop)
-        engine.fleet = fleet  # type: ignore[attr-defined]  # ring_snapshot and stage_pids read it
-        engine.launched_at = time.monotonic()  # type: ignore[attr-defined]
-        if cancel.is_set():
-            engine.close()
-            raise LaunchCancelled("launch cancelled")
-        for i in range(n):
-            report(LaunchStep(i, "ready", 1.0, "ready"))
-        return engine
-    except LaunchCancelled:
-        fleet.stop()
-        raise
-    except PipelineLaunchError as e:
-        fleet.stop()
-        raise (LaunchCancelled("launch cancelled") if cancel.is_set() else EngineError(str(e))) from None
-    except BaseException as e:
-        fleet.stop()
-        if cancel.is_set():
-            raise LaunchCancelled("launch cancelled") from None
-        raise e
-    finally:
-        over.set()  # the stopper thread exits
-
-
-def _check_cancel(cancel: threading.Event) -> None:
-    if cancel.is_set():
-        raise LaunchCancelled("launch cancelled")
-
-
-def _stop_on_cancel(cancel: threading.Event, over: threading.Event, fleet: Any) -> None:
-    # PipelineEngine() blocks until every stage answers; a cancel must not wait
-    # for that: stopping the processes makes it fail at once.
-    while not over.is_set():
-        if cancel.wait(0.1):
-            if not over.is_set():
-                fleet.stop()
-            return
+        engine = run(cfg, None, speculative=_spec_config(speculative), on_stage=on_stage, cancel=cancel)
+    except RunnerCancelled:
+        raise LaunchCancelled("launch cancelled") from None
+    engine.launched_at = time.monotonic()  # type: ignore[attr-defined]  # ring_snapshot reads it
+    return engine
 
 
 @dataclass(frozen=True)
@@ -484,37 +490,37 @@ def pin_device(plan: Any, peer_id: str, device: str, model: Any, peers: Sequence
 # ----------------------------------------------------------------------- fleet
 @dataclass(frozen=True)
 class PeerCard:
-    """One peer as the Fleet view shows it. Discovered peers (mDNS, once the
-    fleet controller lands) plug in as more of these from fleet_snapshot()."""
+    """One peer as the Fleet view shows it: this PC, an agent found over mDNS,
+    or one added by address (polled on its info port)."""
 
-    peer_id: str  # node id, or "this-pc", or "manual:<address>"
+    peer_id: str  # node id, or "this-pc", or "manual:<address>" for one that never answered
     name: str  # hostname or the address typed
     os: str  # "Linux 6.8"; "" if unknown
     devices: tuple[str, ...]  # OpenVINO device names: ("CPU", "GPU.0", "NPU")
     ram_total: int  # bytes; 0 if unknown
     ram_free: int  # bytes available now (the planner's budget for this peer)
     idle_since: float | None  # unix time the user was last active; None if unknown
-    sharing: str  # the sharing policy in a few words
-    paired: bool | None  # None for this PC (no pairing with oneself)
+    sharing: str  # the sharing state in a few words
+    paired: bool | None  # this app's key is on the agent's allow-list; None = this PC / unknown
     local: bool  # this PC
     reachable: bool  # answered just now
     reason: str = ""  # why not reachable / not usable
-    address: str = ""  # host:port for manual peers
+    address: str = ""  # host:port (the agent's base port)
     device_names: tuple[str, ...] = field(default=())  # full device names, same order as devices
+    source: str = "this-pc"  # "this-pc" | "mdns" | "manual"
+    fingerprint: str = ""  # the agent's key fingerprint (16 hex), what people compare
+    public_key: str = ""  # the agent's CurveZMQ public key (Z85)
+    sharing_now: bool | None = None  # the agent's own decision (Status; paired peers only)
+    handle: Any = field(default=None, compare=False, repr=False)  # engine.fleet Peer, for pairing/launch
 
 
 @dataclass(frozen=True)
-class FleetSnapshot:
-    peers: tuple[PeerCard, ...]  # this PC first
-    discovery_available: bool  # mDNS browsing from the app
-    discovery_reason: str  # why not
-    pairing_available: bool
-    pairing_reason: str
+class FleetChange:
+    """One event of watch_fleet()."""
 
-
-_DISCOVERY_REASON = ("discovering peers on the LAN (mDNS) comes with the fleet controller, "
-                     "which is not in the app yet; add a peer by its address meanwhile")
-_PAIRING_REASON = "pairing from the app comes with the fleet controller (engine/fleet)"
+    kind: str  # "ready" | "added" | "updated" | "removed" | "error"
+    card: PeerCard | None = None  # the peer (added/updated/removed)
+    message: str = ""  # for "ready" (what is watched) and "error"
 
 
 def this_pc() -> PeerCard:
@@ -548,44 +554,353 @@ def _policy_words(p: dict) -> str:
     return "shared " + ", ".join(parts)
 
 
-def fleet_snapshot(timeout_s: float = 0.7) -> FleetSnapshot:
-    """This PC plus every peer added by address, each asked for its info now.
-    Blocking (at most ~timeout_s for unanswered peers, asked in parallel)."""
-    cards = [this_pc()]
-    addrs = peer_addresses()
-    if addrs:
-        cards += _query_manual(addrs, timeout_s)
-    return FleetSnapshot(tuple(cards), False, _DISCOVERY_REASON, False, _PAIRING_REASON)
+def controller_name() -> str:
+    """How this app introduces itself when it asks an agent to pair."""
+    from engine.fleet import sysinfo
+
+    return f"Flotilla app on {sysinfo.hostname()}"[:255]
 
 
-def _query_manual(addrs: list[str], timeout_s: float) -> list[PeerCard]:
+def _controller_keys() -> Any:
+    from engine.fleet.security import KeyPair
+
+    return KeyPair.load_or_create(config_dir())  # the same node key launch.controller_keys() uses
+
+
+def pairing_code_for(card: PeerCard) -> str:
+    """The 6 digits this app shows for pairing with card's agent (computed here,
+    from both public keys, never taken from the agent). Reads our key: blocking."""
+    from engine.fleet.security import pairing_code
+
+    return pairing_code(card.public_key, _controller_keys().public)
+
+
+def _card(peer: Any, paired: bool | None, sharing_now: bool | None, why: str) -> PeerCard:
+    i = peer.info
+    host = peer.addresses[0] if peer.addresses else ""
+    address = f"[{host}]:{i.control_port}" if ":" in host else f"{host}:{i.control_port}"
+    if paired and sharing_now:
+        sharing = "sharing now"
+    elif paired and sharing_now is False:
+        sharing = f"not sharing now: {why}" if why else "not sharing now"
+    else:
+        sharing = "owner away, offered to the fleet" if i.idle else "in use by its owner"
+    reason = ""
+    if paired is False:
+        reason = "not paired: pair it to plan and launch on it"
+    elif paired is None and why:
+        reason = why
+    return PeerCard(i.node_id, i.hostname, i.os, tuple(d.name for d in i.devices), i.ram_total,
+                    i.ram_available, i.idle_since, sharing, paired, False, True, reason=reason,
+                    address=address, device_names=tuple(d.full_name for d in i.devices),
+                    source=peer.source, fingerprint=i.fingerprint, public_key=i.public_key,
+                    sharing_now=sharing_now, handle=peer)
+
+
+async def _probe(keys: Any, peer: Any, timeout: float = 3.0) -> tuple[bool | None, bool | None, str]:
+    """(paired, sharing now, why) of one agent, from a CURVE handshake on its
+    control port: the agent's ZAP admits allow-listed keys only, so this tells
+    paired from not paired without asking anything of the owner."""
+    from engine.fleet.client import AgentClient, NotPaired
+
+    client = AgentClient(keys, peer.endpoint(), peer.info.public_key, timeout=timeout)
+    try:
+        await client.async_connect()
+        status = await client.status()
+        return True, status.sharing, status.reason
+    except NotPaired:
+        return False, None, ""
+    except Exception as e:
+        return None, None, f"its control port does not answer ({_one_line(e)})"
+    finally:
+        client.close()
+
+
+class FleetWatcher:
+    """Live fleet discovery for the app: mDNS (on `interfaces`; None = all,
+    what real users get; tests pass ["127.0.0.1"]) plus the peers added by
+    address (manual_peers.json, polled on their info port). Each agent found is
+    probed for its pairing state with this app's key.
+
+    events(stop) is a generator for the app's Runner: it runs the discovery on
+    a private asyncio loop thread and yields FleetChange until stop is set.
+    add_address/remove_address/refresh may be called from any thread."""
+
+    PROBE_EVERY_S = 10.0  # re-check pairing/sharing state on TXT updates at most this often
+
+    def __init__(self, interfaces: Sequence[str] | None = None, *, mdns: bool = True,
+                 manual_interval: float = 5.0) -> None:
+        self.interfaces = list(interfaces) if interfaces else None
+        self.mdns, self.manual_interval = mdns, manual_interval
+        self._loop: Any = None
+        self._manual: Any = None
+        self._queue: Any = None
+        self._probed: dict[str, tuple[float, tuple]] = {}  # node_id -> (when, probe result)
+        self._keys: Any = None
+
+    def events(self, stop: threading.Event):  # -> Iterator[FleetChange]
+        import asyncio
+        import queue
+
+        from engine.fleet.discovery import Combined, ManualPeers
+        from engine.fleet.mdns import MdnsDiscovery
+
+        self._queue = q = queue.Queue()
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="flotilla-app-fleet", daemon=True)
+        thread.start()
+        self._loop = loop
+
+        def run(coro: Any, timeout: float = 15.0) -> Any:
+            return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+        disc = None
+        try:
+            self._keys = _controller_keys()
+            parts = []
+            if self.mdns:
+                parts.append(MdnsDiscovery(self.interfaces, own_node_id=_own_node_id()))
+            self._manual = ManualPeers(config_dir(), interval=self.manual_interval, misses=2)
+            parts.append(self._manual)
+            disc = Combined(*parts)
+            disc.add_listener(self._on_peer)
+            try:
+                run(disc.async_start())
+            except Exception as e:
+                yield FleetChange("error", message=f"cannot start discovery: {_one_line(e)}")
+                return
+            where = ("mDNS on " + (", ".join(self.interfaces) if self.interfaces else "all interfaces")
+                     if self.mdns else "mDNS off")
+            yield FleetChange("ready", message=where)
+            while not stop.is_set():
+                try:
+                    yield q.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+        finally:
+            try:
+                if disc is not None:
+                    run(disc.async_close(), 10)
+            except Exception:
+                pass
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+            if not loop.is_running():
+                loop.close()
+            self._loop = None
+
+    # -- on the loop thread ------------------------------------------------------
+    def _on_peer(self, kind: str, peer: Any) -> None:
+        if kind == "removed":
+            self._probed.pop(peer.node_id, None)
+            self._queue.put(FleetChange("removed", _card(peer, None, None, "")))
+            return
+        import asyncio
+
+        asyncio.get_running_loop().create_task(self._report(kind, peer))
+
+    async def _report(self, kind: str, peer: Any, force: bool = False) -> None:
+        last = self._probed.get(peer.node_id)
+        if force or last is None or time.monotonic() - last[0] > self.PROBE_EVERY_S:
+            result = await _probe(self._keys, peer)
+            self._probed[peer.node_id] = (time.monotonic(), result)
+        else:
+            result = last[1]
+        self._queue.put(FleetChange(kind, _card(peer, *result)))
+
+    # -- from any thread ----------------------------------------------------------
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        import asyncio
+
+        if self._loop is None:
+            return fn()
+
+        async def on_loop() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), self._loop).result(10)
+
+    def add_address(self, text: str) -> str:
+        """Validate and remember host[:port] (persisted); polled at once. ValueError if malformed."""
+        entry = add_peer_address(text)
+        if self._manual is not None:
+            self._call(lambda: self._manual.add(entry))
+        return entry
+
+    def remove_address(self, entry: str) -> None:
+        remove_peer_address(entry)
+        if self._manual is not None:
+            self._call(lambda: self._manual.remove(entry))
+
+    def refresh(self, card: PeerCard) -> None:
+        """Probe a peer again now (after pairing); an "updated" change follows."""
+        import asyncio
+
+        if self._loop is not None and card.handle is not None:
+            asyncio.run_coroutine_threadsafe(self._report("updated", card.handle, force=True), self._loop)
+
+
+def _own_node_id() -> str | None:
+    """This PC's agent node id, if an agent ever ran here (its own announcements are skipped)."""
+    from engine.fleet.identity import IDENTITY_FILE
+    from engine.fleet.paths import read_json
+
+    data = read_json(config_dir() / IDENTITY_FILE, {})
+    node = data.get("node_id") if isinstance(data, dict) else None
+    return node if isinstance(node, str) else None
+
+
+def pair_peer(card: PeerCard, progress: Progress | None = None, cancel: threading.Event | None = None,
+              wait_s: float = 600.0) -> str:
+    """Ask card's agent to pair with this app and wait for its owner to accept.
+
+    Blocking. First reports (code, 0.0): show the code and tell the user to
+    compare it with the agent's tray (or type it in `flotilla agent pair
+    --accept CODE` there). Returns "accepted"; raises LaunchCancelled-like
+    EngineError("pairing cancelled") on cancel, EngineError on timeout or
+    when the codes differ (someone in the middle)."""
     import asyncio
 
-    import zmq.asyncio
+    from engine.fleet.client import FleetError, async_pair
+    from engine.fleet.security import KNOWN_AGENTS_FILE, KeyBook, pairing_code
 
-    from engine.fleet.discovery import INFO_OFFSET, async_query_info, parse_hostport
+    peer = card.handle
+    if peer is None or not card.public_key:
+        raise EngineError(f"{card.name} has not announced its key yet: wait for it to answer")
+    keys = _controller_keys()
+    code = pairing_code(card.public_key, keys.public)
+    report = progress or (lambda _m, _f: None)
+    report(code, 0.0)
+    cancel = cancel or threading.Event()
+    name = controller_name()
 
-    async def one(ctx: Any, addr: str) -> PeerCard:
-        try:
-            host, port = parse_hostport(addr)
-            info = await async_query_info(ctx, host, port + INFO_OFFSET, timeout=timeout_s)
-        except Exception as e:
-            return PeerCard(f"manual:{addr}", addr, "", (), 0, 0, None, "unknown", False, False, False,
-                            reason=f"cannot be contacted ({_one_line(e)})", address=addr)
-        return PeerCard(info.node_id, info.hostname, info.os, tuple(d.name for d in info.devices),
-                        info.ram_total, info.ram_available, info.idle_since,
-                        "idle, sharing" if info.idle else "in use by its owner", False, False, True,
-                        reason="not paired: " + _PAIRING_REASON, address=addr,
-                        device_names=tuple(d.full_name for d in info.devices))
+    async def ask() -> str:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait_s
+        while True:
+            reply = await async_pair(keys, peer.endpoint(peer.info.pair_port), card.public_key, name,
+                                     wait=1.0, poll=0.5)
+            if reply.state == "accepted":
+                return "accepted"
+            if cancel.is_set():
+                return "cancelled"
+            if loop.time() >= end:
+                return "timeout"
+            report(code, min(0.99, 1.0 - (end - loop.time()) / wait_s))
 
-    async def all_() -> list[PeerCard]:
-        ctx = zmq.asyncio.Context()
-        try:
-            return list(await asyncio.gather(*(one(ctx, a) for a in addrs)))
-        finally:
-            ctx.term()
+    try:
+        state = asyncio.run(ask())
+    except FleetError as e:
+        raise EngineError(str(e)) from None
+    if state == "cancelled":
+        raise EngineError("pairing cancelled")
+    if state == "timeout":
+        raise EngineError(f"{card.name}'s owner did not accept within {wait_s / 60:.0f} minutes")
+    KeyBook(config_dir() / KNOWN_AGENTS_FILE).add(card.public_key, card.name)
+    return state
 
-    return asyncio.run(all_())
+
+def fleet_launch_available() -> tuple[bool, str]:
+    """Can the app launch a pipeline on fleet agents (engine/fleet/launch.py)?"""
+    try:
+        mod = importlib.import_module("engine.fleet.launch")
+    except Exception as e:
+        return False, f"the fleet launcher (engine/fleet/launch.py) is not available: {_one_line(e)}"
+    missing = [n for n in ("FleetSession", "LaunchConfig") if not hasattr(mod, n)]
+    if missing:
+        return False, f"the fleet launcher lacks {', '.join(missing)}"
+    return True, ""
+
+
+def launch_fleet(spec: str, stages: Sequence[tuple[str, str, int, int]], cards: Sequence[PeerCard],
+                 context_length: int | None = None, streams: int = 4,
+                 step: Callable[[LaunchStep], None] | None = None,
+                 cancel: threading.Event | None = None) -> Engine:
+    """Launch the plan `stages` ((peer_id = node id, device, start, end), in
+    ring order) on fleet agents through engine/fleet/launch.py: status, the
+    shards sent (resumable), workers loaded, a CURVE PipelineEngine wired.
+    Blocking; per-stage LaunchStep like launch_pipeline. Setting `cancel` stops
+    at the next step (everything started is unloaded) with LaunchCancelled."""
+    import re
+
+    from engine.fleet import launch as fl
+
+    by_id = {c.peer_id: c for c in cards}
+    missing = [pid for pid, *_ in stages if pid not in by_id or by_id[pid].handle is None]
+    if missing:
+        raise EngineError(f"peer(s) gone from the fleet: {', '.join(missing)}")
+    peers = [by_id[pid].handle for pid in dict.fromkeys(pid for pid, *_ in stages)]
+    report = step or (lambda _s: None)
+    cancel = cancel or threading.Event()
+    n = len(stages)
+    for i in range(n):
+        report(LaunchStep(i, "waiting", 0.0, "waiting"))
+    number = re.compile(r"\b(?:shard|stage) (\d+)\b")
+
+    def progress(message: str, fraction: float) -> None:
+        if cancel.is_set():
+            raise LaunchCancelled("launch cancelled")
+        m = number.search(message)
+        if m is None or not 0 <= int(m.group(1)) < n:
+            return
+        i = int(m.group(1))
+        if message.startswith(("exporting", "packing", "sending")) or "already has it" in message:
+            done = 1.0 if "already has it" in message else (fraction if message.startswith("sending") else 0.0)
+            report(LaunchStep(i, "transfer", 0.4 * done, message))
+        elif message.startswith("starting"):
+            report(LaunchStep(i, "compile", 0.5, message))
+
+    cfg = fl.LaunchConfig(model=spec, stages=n, context_length=context_length, max_concurrent=max(1, streams))
+    session = _planned_session(fl, stages)(_controller_keys(), peers, cfg, progress)
+    try:
+        engine = session.launch()
+    except LaunchCancelled:
+        raise
+    except Exception as e:
+        from engine.pipeline.plan import PlanError
+
+        if cancel.is_set():
+            raise LaunchCancelled("launch cancelled") from None
+        if isinstance(e, (EngineError, PlanError)):
+            raise
+        raise EngineError(_one_line(e)) from None
+    if cancel.is_set():
+        engine.close()
+        raise LaunchCancelled("launch cancelled")
+    for i in range(n):
+        report(LaunchStep(i, "ready", 1.0, "ready"))
+    engine.launched_at = time.monotonic()  # type: ignore[attr-defined]
+    return engine
+
+
+def _planned_session(fl: Any, stages: Sequence[tuple[str, str, int, int]]) -> Any:
+    """A FleetSession that launches exactly the plan drawn in the app (the
+    launcher alone plans by itself: auto_plan, or an even split)."""
+    specs = [(str(p), str(d), int(a), int(b)) for p, d, a, b in stages]
+
+    class PlannedSession(fl.FleetSession):
+        def _make_plan(self, model: Any) -> Any:
+            from engine.pipeline.plan import PlanError, PlanRequest
+            from engine.pipeline.plan_validate import evaluate_plan, validate_plan
+
+            for nid, st in self.statuses.items():
+                if not st.sharing:
+                    raise PlanError(f"{self.peers[nid].info.hostname} does not share its PC right now: "
+                                    f"{st.reason or 'policy'}")
+            used = [self.peers[nid] for nid in dict.fromkeys(s[0] for s in specs)]
+            profiles = [fl.peer_profile(p, self.statuses[p.node_id]) for p in used]
+            request = PlanRequest(context_length=self.context_length, streams=self.cfg.max_concurrent,
+                                  weight_precision="fp32" if self.cfg.weights == "f32" else "fp16")
+            issues = validate_plan(specs, model, profiles, request)
+            if issues:
+                raise PlanError("the plan does not fit the fleet now: " + "; ".join(i.message for i in issues),
+                                issues)
+            plan = evaluate_plan(specs, model, profiles, request, fl.peer_links(used))
+            self.stages = [fl._Stage(i, self.peers[s.peer_id], s.device, s.start, s.end)
+                           for i, s in enumerate(plan.stages)]
+            return plan
+
+    return PlannedSession
 
 
 def _manual_file() -> Path:
@@ -620,6 +935,258 @@ def remove_peer_address(entry: str) -> None:
     from engine.fleet.paths import write_json
 
     write_json(_manual_file(), [a for a in peer_addresses() if a != entry])
+
+
+# ----------------------------------------------------------------------- agent (the tray)
+@dataclass(frozen=True)
+class PairingRequest:
+    """A controller asking to use this PC, waiting for its owner's yes."""
+
+    name: str  # what the controller calls itself
+    fingerprint: str  # of its key (16 hex)
+    code: str  # the 6 digits its screen shows; accept only if they match
+    age_s: float  # seconds since it asked (requests expire after 10 minutes)
+
+
+@dataclass(frozen=True)
+class PairedController:
+    name: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class AgentState:
+    """What the tray shows about this PC's agent."""
+
+    state: str  # "idle" | "sharing" | "busy" | "paused" | "stopped"
+    summary: str  # one line for the tooltip and the menu's header
+    running: bool  # the agent answered on its info port
+    workers: int  # shard workers running for controllers (-1 = unknown)
+    share_now: bool  # "Share now" is on (the idle wait is skipped)
+    paused: bool  # the owner switched sharing off
+    pending: tuple[PairingRequest, ...]  # pairing requests waiting, oldest first
+    paired: tuple[PairedController, ...]  # controllers allowed to use this PC
+
+
+TRAY_FILE = "tray.json"  # the tray's own memory (the idle wait before "Share now")
+
+
+class AgentHandle:
+    """This PC's agent as its tray drives it: the same files and ports
+    `flotilla agent pair/policy` use (the pairing book, sharing_policy.json),
+    plus the agent's plaintext info port for its live state. No pairing with
+    itself: the tray is the owner's UI, with the owner's file access.
+
+    Blocking methods: call them on the app's Runner."""
+
+    def __init__(self, config: Path | None = None, *, info_port: int | None = None,
+                 host: str = "127.0.0.1", pid: int | None = None) -> None:
+        from engine.fleet.discovery import DEFAULT_BASE_PORT, INFO_OFFSET
+
+        self.config = Path(config) if config else config_dir()
+        self.info_port = info_port or DEFAULT_BASE_PORT + INFO_OFFSET
+        self.host = host
+        self.pid = pid  # the agent's process: its children are the shard workers
+        self.proc: Any = None  # set by spawn(): the agent child process
+        self.lines: Any = None  # its last stderr lines (spawn)
+
+    @classmethod
+    def spawn(cls, argv: Sequence[str] = (), timeout: float = 60.0,
+              config: Path | None = None) -> "AgentHandle":
+        """Start `flotilla agent --headless ARGV` as a child process and wait
+        until it is up (the tray of `flotilla agent` runs the agent this way, so
+        the agent never shares a process with Qt). EngineError if it does not start."""
+        import collections
+        import subprocess
+        import sys
+
+        args = [a for a in argv if a not in ("--headless", "-v", "--verbose")]
+        env = dict(os.environ)
+        if config is not None:  # another agent's config dir (demos, screenshots)
+            env["FLOTILLA_CONFIG"] = str(config)
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v", *args],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, env=env)
+        lines: collections.deque[str] = collections.deque(maxlen=200)
+        up = threading.Event()
+        ports: list[int] = []
+
+        def pump() -> None:
+            import re
+
+            for line in proc.stderr:
+                lines.append(line.rstrip())
+                m = re.search(r" up: control (\d+), pairing (\d+), info (\d+)", line)
+                if m and not up.is_set():
+                    ports.extend(int(g) for g in m.groups())
+                    up.set()
+            up.set()
+
+        threading.Thread(target=pump, name="flotilla-agent-log", daemon=True).start()
+        if not up.wait(timeout) or not ports:
+            proc.kill()
+            proc.wait(5)
+            raise EngineError("the agent did not start: " + (" | ".join(list(lines)[-5:]) or "no output"))
+        handle = cls(config, info_port=ports[2], pid=proc.pid)
+        handle.proc, handle.lines = proc, lines
+        return handle
+
+    # -- reading ------------------------------------------------------------------
+    def state(self, timeout: float = 1.0) -> AgentState:
+        from engine.fleet.security import PairingBook, fingerprint
+
+        info, running = self._info(timeout), False
+        running = info is not None
+        policy = load_sharing_policy(self.config)
+        tray = self._tray()
+        book = PairingBook(self.config)
+        allowed = book.allowed.entries()
+        dismissed = {**tray.get("dismissed", {}), **allowed}  # accepted ones stay in the agent's file
+        now = time.time()
+        pending = tuple(sorted(
+            (PairingRequest(str(v.get("name", "controller")), fingerprint(k), str(v.get("code", "")),
+                            max(0.0, now - float(v.get("time", now))))
+             for k, v in book.pending().items() if k not in dismissed),
+            key=lambda r: -r.age_s))
+        paired = tuple(PairedController(str(v.get("name", "controller")), fingerprint(k))
+                       for k, v in allowed.items())
+        workers = self._workers()
+        paused = not policy.get("enabled", True)
+        share_now = bool(tray.get("share_now")) and not paused
+        on_battery = info is not None and info.on_ac is False and policy.get("require_ac", True)
+        if not running:
+            state, summary = "stopped", "The agent is not running"
+        elif paused:
+            state, summary = "paused", "Paused: this PC is not shared"
+        elif workers > 0:
+            state, summary = "busy", f"Busy: {workers} shard worker{'s' if workers != 1 else ''} running"
+        elif on_battery:
+            state, summary = "idle", "Not sharing: on battery"
+        elif info.idle:
+            state, summary = "sharing", ("Sharing now (Share now is on)" if share_now
+                                         else "Sharing: you are away, the fleet may use this PC")
+        else:
+            mins = float(policy.get("idle_minutes", 5))
+            state, summary = "idle", f"Not sharing: you are using this PC (shares after {mins:g} min idle)"
+        if pending:
+            summary += f" · {len(pending)} pairing request{'s' if len(pending) != 1 else ''}"
+        return AgentState(state, summary, running, workers, share_now, paused, pending, paired)
+
+    def _info(self, timeout: float) -> Any:
+        import asyncio
+
+        import zmq.asyncio
+
+        from engine.fleet.discovery import async_query_info
+
+        async def ask() -> Any:
+            ctx = zmq.asyncio.Context()
+            try:
+                return await async_query_info(ctx, self.host, self.info_port, timeout=timeout)
+            finally:
+                ctx.term()
+
+        try:
+            return asyncio.run(ask())
+        except Exception:
+            return None
+
+    def _workers(self) -> int:
+        if self.pid is None:
+            return -1
+        try:
+            import psutil
+
+            return sum(1 for c in psutil.Process(self.pid).children() if c.status() != psutil.STATUS_ZOMBIE)
+        except Exception:
+            return 0
+
+    def _tray(self) -> dict:
+        from engine.fleet.paths import read_json
+
+        data = read_json(self.config / TRAY_FILE, {})
+        return data if isinstance(data, dict) else {}
+
+    def _save_tray(self, data: dict) -> None:
+        from engine.fleet.paths import write_json
+
+        write_json(self.config / TRAY_FILE, data)
+
+    # -- pairing ------------------------------------------------------------------
+    def accept(self, code: str) -> str:
+        """Allow the pending controller showing `code`; its name. EngineError if none does."""
+        from engine.fleet.security import PairingBook
+
+        try:
+            return PairingBook(self.config).accept(code)
+        except LookupError as e:
+            raise EngineError(str(e)) from None
+
+    def deny(self, code: str) -> None:
+        """Refuse a pending request: it is not paired (nothing to undo) and the
+        tray stops showing it; it expires on the agent after 10 minutes."""
+        from engine.fleet.security import PENDING_TTL_S, PairingBook
+
+        tray = self._tray()
+        now = time.time()
+        dismissed = {k: t for k, t in tray.get("dismissed", {}).items() if now - t < PENDING_TTL_S}
+        for key, entry in PairingBook(self.config).pending().items():
+            if entry.get("code") == code:
+                dismissed[key] = now
+        tray["dismissed"] = dismissed
+        self._save_tray(tray)
+
+    def revoke(self, fingerprint_or_name: str) -> list[str]:
+        """Forget a paired controller (new and open connections are refused from now on)."""
+        from engine.fleet.security import PairingBook
+
+        return PairingBook(self.config).allowed.revoke(fingerprint_or_name)
+
+    # -- sharing ------------------------------------------------------------------
+    def pause(self, paused: bool = True) -> None:
+        """Switch sharing off (running shard workers stop within 2 s) or back on."""
+        policy = load_sharing_policy(self.config)
+        policy["enabled"] = not paused
+        save_sharing_policy(policy, self.config)
+
+    def share_now(self, on: bool = True) -> None:
+        """Lend the PC now, without waiting for the idle time (on), or go back
+        to the policy's idle wait (off). Also un-pauses."""
+        policy = load_sharing_policy(self.config)
+        tray = self._tray()
+        if on:
+            if not tray.get("share_now"):
+                tray["idle_minutes_before"] = policy.get("idle_minutes", 5.0)
+            policy.update(enabled=True, idle_minutes=0.0)
+            tray["share_now"] = True
+        else:
+            policy["idle_minutes"] = float(tray.pop("idle_minutes_before", 5.0) or 0.0) \
+                if tray.get("share_now") else policy.get("idle_minutes", 5.0)
+            tray["share_now"] = False
+        save_sharing_policy(policy, self.config)
+        self._save_tray(tray)
+
+    def load_policy(self) -> dict:
+        return load_sharing_policy(self.config)
+
+    def save_policy(self, policy: dict) -> Path:
+        return save_sharing_policy(policy, self.config)
+
+    # -- the process ----------------------------------------------------------------
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the agent this handle started (SIGTERM: it stops its workers first)."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except Exception:
+            proc.kill()
+            proc.wait(5)
+
+    def wait(self) -> int:
+        return int(self.proc.wait()) if self.proc is not None else 0
 
 
 # ----------------------------------------------------------------------- settings
@@ -659,27 +1226,28 @@ def sharing_policy_path() -> Path:
     return config_dir() / POLICY_FILE
 
 
-def load_sharing_policy() -> dict:
+def load_sharing_policy(config: Path | None = None) -> dict:
     """The policy as a plain dict (defaults for a missing or broken file)."""
     import dataclasses
 
     from engine.fleet.policy import SharingPolicy
 
-    d = dataclasses.asdict(SharingPolicy.load(config_dir()))
+    d = dataclasses.asdict(SharingPolicy.load(config or config_dir()))
     d["devices"] = list(d["devices"])
     return d
 
 
-def save_sharing_policy(policy: dict) -> Path:
+def save_sharing_policy(policy: dict, config: Path | None = None) -> Path:
     """Validate and write the policy atomically; ValueError for bad values."""
     import dataclasses
 
-    from engine.fleet.policy import SharingPolicy
+    from engine.fleet.policy import POLICY_FILE, SharingPolicy
 
     names = {f.name for f in dataclasses.fields(SharingPolicy)}
     kw = {k: (tuple(v) if k == "devices" else v) for k, v in policy.items() if k in names}
-    SharingPolicy(**kw).save(config_dir())
-    return sharing_policy_path()
+    folder = config or config_dir()
+    SharingPolicy(**kw).save(folder)
+    return folder / POLICY_FILE
 
 
 # ----------------------------------------------------------------------- API server

@@ -100,8 +100,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
             raise UserError(str(e)) from None
     if args.worker_cmd:
         cfg.worker_command = shlex.split(args.worker_cmd)
-    if not args.headless and (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
-        print("flotilla agent: the tray icon comes with the desktop app; running headless",
+    if not args.headless and _has_display():
+        tray = _tray_entry()
+        if tray is not None:  # the desktop app's tray starts `flotilla agent --headless` itself
+            return int(tray(_agent_argv(args)) or 0)
+        print("flotilla agent: no tray icon (the desktop app is not installed); running headless",
               file=sys.stderr)
     log_path = setup_logging(cfg.data, args.verbose)
     print(f"flotilla agent: config {cfg.config}, log {log_path}", file=sys.stderr, flush=True)
@@ -109,6 +112,41 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return run_agent(cfg)
     except OSError as e:  # e.g. the port is taken
         raise UserError(f"cannot start the agent: {e}") from None
+
+
+def _has_display() -> bool:
+    if sys.platform in ("win32", "darwin"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def _tray_entry():
+    """The tray UI's run(argv), registered by the app as a `flotilla.tray` entry
+    point (engine never imports app); None when the app is not installed."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="flotilla.tray"):
+        try:
+            return ep.load()
+        except Exception as e:  # a broken GUI install must not stop the agent
+            print(f"flotilla agent: the tray does not load ({e}); running headless", file=sys.stderr)
+    return None
+
+
+def _agent_argv(args: argparse.Namespace) -> list[str]:
+    """These agent options as a command line, for the tray to start the agent with."""
+    argv = ["--bind", args.bind, "--idle-source", args.idle_source]
+    if args.port is not None:
+        argv += ["--port", str(args.port)]
+    for i in args.interface:
+        argv += ["--interface", i]
+    if args.no_mdns:
+        argv.append("--no-mdns")
+    if args.mdns_ttl:
+        argv += ["--mdns-ttl", str(args.mdns_ttl)]
+    if args.worker_cmd:
+        argv += ["--worker-cmd", args.worker_cmd]
+    return argv
 
 
 def cmd_pair(args: argparse.Namespace) -> int:

@@ -151,6 +151,7 @@ class LocalFleet:
         self.ring_keys: Any = None  # engine.fleet.curve_data.LocalRingKeys when cfg.curve
         self.on_stage: StageProgress = lambda _i, _phase, _f: None  # launch_pipeline(on_stage=...)
         self._stopped = False
+        self._lock = threading.Lock()  # stop() may run on another thread (a cancel) while launch() starts
 
     # -- export ------------------------------------------------------------------
     def export(self) -> list[Any]:
@@ -209,7 +210,13 @@ class LocalFleet:
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
                                         env=env, cwd=str(REPO_ROOT), start_new_session=(os.name == "posix"),
                                         creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
-            self.procs.append(proc)
+            with self._lock:
+                self.procs.append(proc)
+                stopped = self._stopped
+            if stopped:  # stop() ran meanwhile (a cancelled launch): this one must not outlive it
+                _signal(proc, signal.SIGKILL)
+                proc.wait()
+                raise PipelineLaunchError("the launch was stopped")
             st = self.plan.stages[i]
             self.links.append(StageLink(i, st.start, st.end, "", proc=proc, log_path=log_path,
                                         server_key=self.ring_keys.public_keys[i] if self.ring_keys else ""))
@@ -241,14 +248,16 @@ class LocalFleet:
 
     def stop(self) -> None:
         """SIGTERM every stage's process group, then SIGKILL what is left. Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            procs = list(self.procs)
         try:
             atexit.unregister(self.stop)
         except Exception:
             pass
-        alive = [p for p in self.procs if p.poll() is None]
+        alive = [p for p in procs if p.poll() is None]
         for p in alive:
             _signal(p, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S

@@ -17,3 +17,8 @@ os.environ["QT_QPA_PLATFORM"] = os.environ.get("FLOTILLA_TEST_QPA", "offscreen")
 _HOME = tempfile.mkdtemp(prefix="flotilla-apptest-")
 os.environ["FLOTILLA_DATA"] = os.path.join(_HOME, "data")
 os.environ["FLOTILLA_CONFIG"] = os.path.join(_HOME, "config")
+# Fleet discovery of the app under test: mDNS on loopback only (nothing leaves
+# the machine), as a user would set it in Settings.
+os.makedirs(os.environ["FLOTILLA_CONFIG"], exist_ok=True)
+with open(os.path.join(os.environ["FLOTILLA_CONFIG"], "app_settings.json"), "w", encoding="utf-8") as _f:
+    _f.write('{"fleet_interfaces": "127.0.0.1"}')

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import socket
 import time
 import urllib.request
@@ -28,6 +29,9 @@ from app.main import create_window
 from app.main_window import MainWindow
 from app.store import ChatStore
 from engine import client
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "fleet"))
+from fleet_helpers import AgentProc  # noqa: E402
 
 OPEN_TIMEOUT_MS = 180_000  # a cold cache builds and compiles the demo model
 ANSWER_TIMEOUT_MS = 60_000
@@ -101,7 +105,8 @@ def test_ctrl_number_switches_views(win: MainWindow, qtbot) -> None:
 @pytest.mark.parametrize("view, targets", [
     ("fleet", ["address", "add_button"]),
     ("models", ["table", "chat_button", "hub_id"]),
-    ("plan", ["model_box", "engine_box", "stages_spin", "bar", "context", "auto_button"]),
+    ("plan", ["model_box", "engine_box", "where_box", "stages_spin", "bar", "context", "spec_mode",
+              "auto_button"]),
     ("chat", ["prompt", "send_button"]),
     ("settings", ["api_switch", "api_port", "save_policy_button"]),
 ])
@@ -246,6 +251,31 @@ def test_detached_windows_stream_interleaved(win: MainWindow, panel, qtbot) -> N
     qtbot.waitUntil(lambda: cid not in win.chat.windows, timeout=5000)
 
 
+def test_chat_status_shows_queued_requests(win: MainWindow, panel, qtbot) -> None:
+    engine = win.session.engine
+    saved = engine.max_concurrent
+    engine.max_concurrent = 1  # one answer at a time: the second one waits in the engine's queue
+    try:
+        _type_and_enter(qtbot, panel, "First conversation")
+        _wait_answer(qtbot, panel)
+        cid = panel.conversation.id
+        panel.detach_button.click()
+        other = win.chat.windows[cid].panel
+        for p in (other, panel):
+            p.max_tokens.setValue(400)
+            p.prompt.setPlainText("Keep talking about boats")
+        other.send()
+        panel.send()
+        qtbot.waitUntil(lambda: "1 queued" in panel.engine_label.text(), timeout=10_000)
+        assert "1 queued" in other.engine_label.text()
+        qtbot.waitUntil(lambda: not other.answering and not panel.answering, timeout=ANSWER_TIMEOUT_MS)
+        assert "queued" not in panel.engine_label.text()
+        win.chat.windows[cid].close()
+        qtbot.waitUntil(lambda: cid not in win.chat.windows, timeout=5000)
+    finally:
+        engine.max_concurrent = saved
+
+
 def test_engine_error_shows_banner_and_keeps_conversation(win: MainWindow, panel, qtbot) -> None:
     _type_and_enter(qtbot, panel, "Hello")
     _wait_answer(qtbot, panel)
@@ -271,19 +301,62 @@ def test_engine_error_shows_banner_and_keeps_conversation(win: MainWindow, panel
 def test_fleet_shows_this_pc_and_a_peer_added_by_address(win: MainWindow, qtbot) -> None:
     win.show_view("fleet")
     fleet = win.fleet
-    qtbot.waitUntil(lambda: fleet.snapshot is not None and bool(fleet.cards), timeout=20_000)
+    qtbot.waitUntil(lambda: fleet.this_pc is not None and bool(fleet.cards), timeout=20_000)
     this = fleet.cards[0].card
     assert this.local and this.devices and this.ram_total > this.ram_free > 0
-    assert not fleet.discover_button.isEnabled() and "mDNS" in fleet.discover_button.toolTip()
+    qtbot.waitUntil(lambda: "mDNS on 127.0.0.1" in fleet.notice.text(), timeout=20_000)
+    assert "not available yet" not in fleet.notice.text()
     assert "No pipeline is running" in fleet.ring.describe()
     fleet.address.setText("192.0.2.1")  # TEST-NET: never answers
     fleet.add_button.click()
-    qtbot.waitUntil(lambda: len(fleet.cards) == 2, timeout=20_000)
-    peer = fleet.cards[1]
+    qtbot.waitUntil(lambda: fleet.card_widget("192.0.2.1:47600") is not None, timeout=20_000)
+    peer = fleet.card_widget("192.0.2.1:47600")
     assert not peer.usable and not peer.findChild(QLabel).isEnabled() and "cannot be contacted" in peer.card.reason
     assert client.peer_addresses() == ["192.0.2.1:47600"]
     peer.remove_button.click()
-    qtbot.waitUntil(lambda: len(fleet.cards) == 1, timeout=20_000)
+    qtbot.waitUntil(lambda: fleet.card_widget("192.0.2.1:47600") is None, timeout=20_000)
+    qtbot.waitUntil(lambda: client.peer_addresses() == [], timeout=10_000)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    """A real agent on loopback, announced over mDNS on 127.0.0.1 only, with the real shard worker."""
+    a = AgentProc(tmp_path_factory.mktemp("app-agent"), mdns=True, real_worker=True).start()
+    a.node_id = json.loads((a.config / "identity.json").read_text())["node_id"]
+    yield a
+    a.stop()
+
+
+def test_fleet_discovers_an_agent_and_pairs_with_the_code(win: MainWindow, agent, qtbot) -> None:
+    from engine.fleet.security import pairing_code
+
+    win.show_view("fleet")
+    fleet = win.fleet
+    qtbot.waitUntil(lambda: fleet.card_widget(agent.node_id) is not None, timeout=20_000)
+    card = fleet.card_widget(agent.node_id)
+    assert card.card.source == "mdns" and card.card.paired is False and "not paired" in card.pair_label.text()
+    assert card.pair_button is not None and card.pair_button.isEnabled()
+    card.pair_button.click()
+    dlg = fleet.dialog
+    qtbot.waitUntil(lambda: bool(dlg.code), timeout=20_000)
+    code = pairing_code(agent.public_key, _app_key(win))
+    assert dlg.code == code and dlg.code_label.text() == f"{code[:3]} {code[3:]}"
+    assert f"flotilla agent pair --accept {code}" in dlg.help.text()
+    # The owner compares the codes and accepts on the agent's PC (its tray, or the CLI).
+    qtbot.waitUntil(lambda: code in [r.code for r in client.AgentHandle(agent.config).state().pending],
+                    timeout=20_000)
+    assert client.AgentHandle(agent.config).accept(code).startswith("Flotilla app on")
+    qtbot.waitUntil(lambda: dlg.state == "accepted", timeout=20_000)
+    assert "Paired" in dlg.status.text()
+    dlg.accept()
+    qtbot.waitUntil(lambda: fleet.card_widget(agent.node_id) is not None
+                    and fleet.card_widget(agent.node_id).card.paired, timeout=20_000)
+    assert "paired" in fleet.card_widget(agent.node_id).pair_label.text()
+    assert fleet.card_widget(agent.node_id).revoke_button is not None
+
+
+def _app_key(win: MainWindow) -> str:
+    return (Path(os.environ["FLOTILLA_CONFIG"]) / "node_key.public").read_text().strip()
 
 
 def test_models_lists_profiles_and_explains_offline_download(win: MainWindow, qtbot, tmp_path) -> None:
@@ -386,15 +459,52 @@ def test_infeasible_plan_cannot_launch(plan, qtbot) -> None:
 
 
 def test_disabled_choices_say_why(plan) -> None:
-    # Disabled with the reason (not landed yet, or landed but not in the engine options yet).
-    assert not plan.speculative.isEnabled() and "speculative decoding" in plan.speculative.toolTip()
+    # Speculative decoding: available for the pipeline on this PC and the local engine;
+    # disabled with the reason where it does not apply.
+    assert plan.spec_mode.isEnabled() and not plan.spec_reason.text().startswith("Not available")
+    plan.spec_mode.setCurrentIndex(plan.spec_mode.findData("draft"))
+    assert plan.draft_box.isEnabled() and plan.draft_box.currentText() == "demo-draft"
+    assert plan.speculative_choice() == client.SpecChoice("draft", 4, True, "demo-draft")
+    plan.spec_mode.setCurrentIndex(plan.spec_mode.findData("lookup"))
+    assert not plan.draft_box.isEnabled() and plan.spec_k.isEnabled()
     idx = plan.engine_box.findData("moe")
     plan.engine_box.setCurrentIndex(idx)
     assert not plan.launch_button.isEnabled() and "dense" in plan.launch_blocker()
+    assert not plan.spec_mode.isEnabled() and "no speculative decoding" in plan.spec_reason.text()
     plan.engine_box.setCurrentIndex(plan.engine_box.findData("pipeline"))
+    plan.spec_mode.setCurrentIndex(plan.spec_mode.findData("off"))
+    assert plan.speculative_choice() is None
+
+
+def test_fleet_plan_launches_on_the_paired_agent_and_chats(win: MainWindow, plan, agent, qtbot) -> None:
+    plan.where_box.setCurrentIndex(plan.where_box.findData("fleet"))
+    qtbot.waitUntil(lambda: plan.plan is not None and not plan.error
+                    and [s.peer_id for s in plan.plan.stages] == [agent.node_id], timeout=20_000)
+    assert not plan.stages_spin.isVisible()
+    plan.pin(agent.node_id, "CPU")  # its GPU is a test double (FLOTILLA_FLEET_DEVICES)
+    assert plan.launch_blocker() == "", plan.launch_blocker()
+    plan.launch_button.click()
+    qtbot.waitUntil(lambda: win.session.state in ("ready", "failed"), timeout=OPEN_TIMEOUT_MS)
+    assert win.session.is_ready, win.session.error
+    assert plan.launch_phases() == ["ready"] and win.session.kind == "pipeline"
+    assert "1 peers:" in win.session.plan_text and agent.node_id[:4] not in win.session.plan_text
+    win.show_view("chat")
+    panel = win.chat.panel
+    win.chat.new_chat()
+    panel.max_tokens.setValue(12)
+    _type_and_enter(qtbot, panel, "Hello fleet")
+    _wait_answer(qtbot, panel)
+    assert panel.conversation.turns[-1].state == DONE, panel.conversation.turns[-1].note
+    win.show_view("plan")
+    plan.where_box.setCurrentIndex(plan.where_box.findData("local"))
+    win.session.open("demo", "local")  # back to this PC (the agent's worker is unloaded)
+    qtbot.waitUntil(lambda: win.session.is_ready, timeout=OPEN_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: plan.plan is not None and len(plan.plan.stages) == 2 and not plan.error,
+                    timeout=20_000)
 
 
 def test_launch_cancel_stops_everything(win: MainWindow, plan, qtbot) -> None:
+    plan.recover.setChecked(False)  # no warm standby: a killed stage must end the answers (below)
     plan.auto_button.click()
     qtbot.waitUntil(lambda: plan.plan is not None and not plan.error, timeout=20_000)
     plan.launch_button.click()
