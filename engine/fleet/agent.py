@@ -42,7 +42,8 @@ from engine.fleet.policy import MachineProbe, MachineState, SharingPolicy, check
 from engine.fleet.security import (CONTROL_DOMAIN, PAIR_DOMAIN, FleetAuthenticator, PairingBook,
                                    curve_server)
 from engine.fleet.shards import ShardStore
-from engine.fleet.workers import LaunchOptions, Worker, WorkerSupervisor, pipeline_worker_command
+from engine.fleet.workers import (STOP_GRACE_S, LaunchOptions, Worker, WorkerSupervisor,
+                                  pipeline_worker_command)
 from engine.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
 from engine.protocol.control import (AgentEvent, AgentInfo, ChunkReply, ChunkRequest, InfoReply,
                                      InfoRequest, LoadReply, LoadRequest, PairReply, PairRequest,
@@ -53,7 +54,8 @@ from engine.protocol.messages import ErrorReply
 from engine.protocol.version import PROTOCOL_VERSION
 
 log = logging.getLogger("flotilla.agent")
-POLL_S = 0.5  # machine poll; with the 0.8 s stop grace a yield takes < 2 s
+POLL_S = 0.5  # machine poll; with the 0.6 s stop grace a yield takes < 2 s
+YIELD_S = 2.0  # the promise: workers gone this long after the user's return (hand-over grace included)
 RAM_STEP = 256 * 1024 * 1024  # re-announce when free RAM moves by more than this
 MIN_ANNOUNCE_S = 2.0  # ...but not more often than this (idle flips go out at once)
 CONTROLLER_TTL_S = 3600.0  # push events to controllers heard from within this
@@ -361,13 +363,34 @@ class Agent:
         self.state = await asyncio.to_thread(self.probe.read)
         decision = evaluate(self.policy, self.state)
         if not decision.share and self.policy.yield_on_return and self.supervisor.running():
-            t0 = time.monotonic()
-            stopped = await self.supervisor.stop_all()
-            log.warning("yielded to the local user (%s): stopped %d worker(s) in %.2f s",
-                        decision.reason, len(stopped), time.monotonic() - t0)
-            await self._push(AgentEvent(self.identity.node_id, "yield", decision.reason,
-                                        tuple(w.sha256 for w in stopped), time.time()))
+            await self._yield(decision.reason)
         await self._announce()
+
+    async def _yield(self, reason: str) -> None:
+        """The owner is back: hand the shards back, then stop what is left.
+        With a grace (policy.yield_grace_s), controllers first get a "yielding"
+        event and may migrate the shards away and Unload them; the wait ends
+        early when no worker is left, and always so that the workers are gone
+        within YIELD_S of the user's return (a hung one is killed)."""
+        t0 = time.monotonic()
+        running = self.supervisor.running()
+        grace = self.policy.yield_grace_s if self._controllers else 0.0
+        if grace > 0:
+            returned = self.state.idle_since if self.state.idle_since is not None else time.time()
+            grace = min(grace, returned + YIELD_S - STOP_GRACE_S - 0.15 - time.time())
+        if grace > 0:
+            await self._push(AgentEvent(self.identity.node_id, "yielding", reason,
+                                        tuple(w.sha256 for w in running), time.time()))
+            end = time.monotonic() + grace
+            while self.supervisor.running() and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        handed = len(running) - len(self.supervisor.running())
+        stopped = await self.supervisor.stop_all()
+        log.warning("yielded to the local user (%s): %d worker(s) handed back, %d stopped, in %.2f s",
+                    reason, handed, len(stopped), time.monotonic() - t0)
+        if stopped:
+            await self._push(AgentEvent(self.identity.node_id, "yield", reason,
+                                        tuple(w.sha256 for w in stopped), time.time()))
 
     async def _announce(self, force: bool = False) -> None:
         """Refresh the announced AgentInfo (mDNS TXT and the info port) when

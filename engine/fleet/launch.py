@@ -25,19 +25,40 @@ Steps, each failing with a clear message before the next starts:
    server key is its agent's public key, and the coordinator's return socket
    admits the ring's agent keys only.
 
-While it runs, the agents' pushed AgentEvents (yield: the owner came back;
+While it runs, the agents' pushed AgentEvents (yielding: the owner came back
+and the agent grants a short hand-over grace; yield: it stopped our workers;
 worker_exit) are watched. An event about one of our shards becomes a
-FleetEvent: logged, handed to every listener (add_listener; the hook for
-recovery/migration), and by default the engine is stopped with a clear
-reason ("stage 1 on laptop-2 yielded: user returned"), so requests end at
-once instead of at the ping timeout.
+FleetEvent: logged and handed to every listener (add_listener). Then, with
+recovery on (LaunchConfig.recover, the default; engine/pipeline/recovery.py):
+- "yielding": engine.migrate_stage(i): a replacement is started while the
+  stage still serves, the ring is re-wired onto it, every stream replayed;
+  the old worker is unloaded on its agent as soon as it left the ring (the
+  agent stops it itself when its grace ends first; the coordinator then
+  simply pauses until the replacement is up: no token lost or repeated);
+- "yield" / "worker_exit": the stage's link is marked exited, so the
+  coordinator starts a recovery at its next liveness tick (< 0.2 s).
+The re-plan provider (FleetRingProvider) puts a lost stage's layers on a
+spare paired agent that shares its PC now and has room (the shard is sent
+and loaded as at launch), else on this PC (a local shard worker, as the
+local runner starts them, under this controller's key) when
+LaunchConfig.local_fallback allows; else RecoveryImpossible names why, every
+stream ends with an error event saying so, and the conversations are kept.
+CURVE: every worker admits every agent of the session (not only its ring
+neighbours at launch), so a replacement may sit anywhere in the ring.
+Without recovery the engine is stopped with a clear reason ("stage 1 on
+laptop-2 yielded: user returned"), so requests end at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +92,8 @@ class LaunchConfig:
     ready_timeout_s: float = 180.0  # every stage loaded and wired within this
     load_timeout_s: float = 90.0  # one agent's Load (its worker's start) within this
     chunk_bytes: int = 1024 * 1024  # shard transfer chunk
+    recover: bool = True  # a lost or yielding stage is re-planned onto another agent (or this PC)
+    local_fallback: bool = True  # recovery may run a lost stage on this PC when no agent can
 
 
 @dataclass(frozen=True)
@@ -87,7 +110,7 @@ class FleetEvent:
 @dataclass
 class _Stage:
     index: int
-    peer: Peer
+    peer: Peer | None  # None = a local worker on this PC (a recovery's last resort)
     device: str
     start: int
     end: int
@@ -96,6 +119,27 @@ class _Stage:
     data_port: int = 0
     pid: int | None = None
     sent_bytes: int = 0  # bytes transferred (0 = the agent had it)
+    shard_path: Path | None = None  # the exported shard folder on this PC
+    link: Any = None  # its StageLink once wired
+    proc: Any = None  # RemoteWorker (on an agent) or Popen (local)
+    endpoint: str = ""  # local workers: the address they bound
+
+    @property
+    def host(self) -> str:
+        return self.peer.info.hostname if self.peer is not None else "this PC"
+
+
+class RemoteWorker:
+    """A worker on an agent as StageLink.proc sees it: poll() is None until the
+    agent reports that it stopped (yield, exit), so the coordinator notices at
+    its next liveness check instead of after the ping timeout."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
 
 
 def controller_keys(config: Path | None = None) -> KeyPair:
@@ -223,7 +267,11 @@ class FleetSession:
         self.left_out: dict[str, str] = {}  # node_id -> why it was not used
         self.events: list[FleetEvent] = []  # every event about our stages, in order
         self.engine: Any = None
-        self.break_on_event = True  # stop the engine when a stage's agent yields or its worker dies
+        self.break_on_event = not cfg.recover  # stop the engine when a stage's agent yields or its worker dies
+        self.provider: FleetRingProvider | None = None  # recovery (cfg.recover)
+        self._all: list[_Stage] = []  # every stage ever started (unloaded at stop)
+        self._host = "127.0.0.1"  # the address stages dial back (and local workers bind)
+        self._local_dir: Path | None = None  # this PC's key file for local workers
         self._listeners: list[Callable[[FleetEvent], None]] = []
         self._clients: dict[str, AgentClient] = {}
         self._loop = LoopThread()
@@ -232,9 +280,10 @@ class FleetSession:
         self.timings: dict[str, float] = {}
 
     def add_listener(self, listener: Callable[[FleetEvent], None]) -> None:
-        """Called (on the session's thread) for every FleetEvent: the hook for
-        recovery/migration (issue #9). Set break_on_event = False to keep the
-        engine running and handle the event yourself."""
+        """Called (on the session's thread) for every FleetEvent. With recovery
+        on (cfg.recover) the session migrates / recovers the stage itself after
+        the listeners ran; with it off the engine stops unless break_on_event
+        is set False (then the listener handles the event)."""
         self._listeners.append(listener)
 
     # -- steps -------------------------------------------------------------------
@@ -266,6 +315,9 @@ class FleetSession:
             self._loop.run(self._load_all(), None)
             loader.join()
             self.engine = self._wire(model_path, tok[0] if tok else None)
+            if self.cfg.recover:
+                self.provider = FleetRingProvider(self)
+                self.engine.enable_recovery(self.provider)
             self.timings["load_s"] = time.monotonic() - t
         except BaseException:
             self.stop()
@@ -331,6 +383,7 @@ class FleetSession:
                 raise PlanError("the plan does not fit the fleet: " + "; ".join(i.message for i in issues), issues)
             plan = evaluate_plan(specs, model, profiles, request, links)
         self.stages = [_Stage(i, self.peers[s.peer_id], s.device, s.start, s.end) for i, s in enumerate(plan.stages)]
+        self._plan_model, self._plan_request = model, request
         return plan
 
     def _export(self, model_path: Path, total: int) -> None:
@@ -353,48 +406,54 @@ class FleetSession:
             info = ensure_shard(model_path, st.start, st.end, num_layers_total=total, precision=self.cfg.weights,
                                 hf_model=hf)
             st.bundle, st.sha256 = cached_pack(Path(info.path), cache_root() / "bundles")
+            st.shard_path = Path(info.path)
 
     async def _send_all(self) -> None:
-        async def one(st: _Stage) -> None:
-            client = self._clients[st.peer.node_id]
-            size = st.bundle.stat().st_size
-            name = st.peer.info.hostname
+        await asyncio.gather(*(self._send_one(st) for st in self.stages))
 
-            def shown(have: int, total: int) -> None:
-                self.progress(f"sending shard {st.index} to {name}: {have / 1e6:.1f}/{total / 1e6:.1f} MB",
-                              have / max(1, total))
+    async def _send_one(self, st: _Stage) -> None:
+        client = self._clients[st.peer.node_id]
+        size = st.bundle.stat().st_size
+        name = st.peer.info.hostname
 
-            last = await client.send_shard(st.bundle, f"{self.model_id[:80]}/L{st.start}-{st.end}", sha=st.sha256,
-                                           chunk=self.cfg.chunk_bytes, progress=shown)
-            if getattr(last, "cached", False):
-                self.progress(f"shard {st.index}: {name} already has it", 1.0)
-            else:
-                st.sent_bytes = size
-                if not getattr(last, "complete", False):
-                    raise FleetError(f"sending shard {st.index} to {name} stopped at {last.have_bytes} bytes")
+        def shown(have: int, total: int) -> None:
+            self.progress(f"sending shard {st.index} to {name}: {have / 1e6:.1f}/{total / 1e6:.1f} MB",
+                          have / max(1, total))
 
-        await asyncio.gather(*(one(st) for st in self.stages))
+        last = await client.send_shard(st.bundle, f"{self.model_id[:80]}/L{st.start}-{st.end}", sha=st.sha256,
+                                       chunk=self.cfg.chunk_bytes, progress=shown)
+        if getattr(last, "cached", False):
+            self.progress(f"shard {st.index}: {name} already has it", 1.0)
+        else:
+            st.sent_bytes = size
+            if not getattr(last, "complete", False):
+                raise FleetError(f"sending shard {st.index} to {name} stopped at {last.have_bytes} bytes")
 
     async def _load_all(self) -> None:
-        ring = tuple(sorted({st.peer.info.public_key for st in self.stages}))
+        await asyncio.gather(*(self._load_one(st) for st in self.stages))
 
-        async def one(st: _Stage) -> None:
-            self.progress(f"starting stage {st.index} on {st.peer.info.hostname} ({st.device})", 0.0)
-            others = tuple(k for k in ring if k != st.peer.info.public_key)
-            reply = await self._clients[st.peer.node_id].load(
-                st.sha256, st.device, 0, exact=self.cfg.exact, ring_keys=others, timeout=self.cfg.load_timeout_s)
-            if not reply.data_port:
-                raise FleetError(f"the worker on {st.peer.info.hostname} did not say which port it bound")
-            st.data_port, st.pid = reply.data_port, reply.shard.pid
-
-        await asyncio.gather(*(one(st) for st in self.stages))
+    async def _load_one(self, st: _Stage) -> None:
+        # Every agent of the session may feed this worker (a recovery can put any of them next to it).
+        ring = sorted({p.info.public_key for p in self.peers.values()})
+        self.progress(f"starting stage {st.index} on {st.peer.info.hostname} ({st.device})", 0.0)
+        others = tuple(k for k in ring if k != st.peer.info.public_key)
+        self._all.append(st)  # unloaded at stop, even when the load fails half-way
+        reply = await self._clients[st.peer.node_id].load(
+            st.sha256, st.device, 0, exact=self.cfg.exact, ring_keys=others, timeout=self.cfg.load_timeout_s)
+        if not reply.data_port:
+            raise FleetError(f"the worker on {st.peer.info.hostname} did not say which port it bound")
+        st.data_port, st.pid = reply.data_port, reply.shard.pid
+        st.proc = RemoteWorker(st.pid)
 
     def _wire(self, model_path: Path, tokenizer: Any = None) -> Any:
         from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink
 
-        links = [StageLink(st.index, st.start, st.end, st.peer.endpoint(st.data_port), pid=st.pid,
-                           server_key=st.peer.info.public_key) for st in self.stages]
+        for st in self.stages:
+            st.link = StageLink(st.index, st.start, st.end, st.peer.endpoint(st.data_port), proc=st.proc,
+                                pid=st.pid, server_key=st.peer.info.public_key)
+        links = [st.link for st in self.stages]
         host = self.cfg.controller_host or local_address_toward(self.stages[0].peer.addresses[0])
+        self._host = host
         pcfg = PipelineConfig(max_concurrent=self.cfg.max_concurrent, prefill_chunk=self.cfg.prefill_chunk,
                               context_length=self.context_length, return_bind=f"tcp://{host}:*",
                               ready_timeout_s=self.cfg.ready_timeout_s, device=self.stages[0].device,
@@ -415,11 +474,13 @@ class FleetSession:
             await asyncio.sleep(0.1)
 
     def _on_agent_event(self, node_id: str, ev: AgentEvent) -> None:
-        ours = [st for st in self.stages if st.peer.node_id == node_id and (not ev.shards or st.sha256 in ev.shards)]
+        ours = [st for st in self.stages if st.peer is not None and st.peer.node_id == node_id
+                and (not ev.shards or st.sha256 in ev.shards)]
         if not ours:
-            return
+            return  # not about our ring (e.g. a stage that was already replaced)
         for st in ours:
-            what = ("yielded to its user" if ev.event == "yield" else "lost its shard worker")
+            what = {"yielding": "is yielding to its user", "yield": "yielded to its user"}.get(
+                ev.event, "lost its shard worker")
             msg = (f"stage {st.index} (layers {st.start}–{st.end}) on {st.peer.info.hostname} {what}: "
                    f"{ev.detail or ev.event}")
             fe = FleetEvent(st.index, st.peer.info.hostname, node_id, ev, msg)
@@ -430,8 +491,15 @@ class FleetSession:
                     listener(fe)
                 except Exception:
                     log.exception("fleet event listener failed")
-            if self.break_on_event and self.engine is not None:
-                _break_engine(self.engine, f"{msg}; the pipeline stopped (no recovery yet)")
+            recovery = getattr(self.engine, "recovery", None)
+            if recovery is not None and recovery.enabled:
+                if ev.event == "yielding":  # hand over while it still serves
+                    fut = self.engine.migrate_stage(st.index, f"{st.host} is needed by its user ({ev.detail})")
+                    fut.add_done_callback(lambda f, m=msg: _log_migration(f, m))
+                elif isinstance(st.proc, RemoteWorker) and st.proc.returncode is None:
+                    st.proc.returncode = _exit_code(ev)  # the coordinator recovers at its next tick
+            elif self.break_on_event and self.engine is not None:
+                _break_engine(self.engine, f"{msg}; the pipeline stopped (recovery is off)")
 
     # -- teardown ----------------------------------------------------------------
     def stop(self) -> None:
@@ -451,27 +519,38 @@ class FleetSession:
                     self._watch.result(2)
                 except Exception:
                     self._watch.cancel()
+            for st in self._all:
+                if st.peer is None:
+                    _stop_local(st.proc)
             if self._clients:
                 self._loop.run(self._unload_all(), 30)
         except Exception as e:
             log.warning("fleet: stopping the workers: %s", e)
         finally:
             self._loop.close()
+            if self._local_dir is not None:
+                import shutil
+
+                shutil.rmtree(self._local_dir, ignore_errors=True)
 
     async def _unload_all(self) -> None:
         async def one(st: _Stage) -> None:
-            client = self._clients.get(st.peer.node_id)
-            if client is None or not st.data_port:
-                return
-            try:
-                await client.unload(st.sha256)
-            except Exception as e:  # gone, or already stopped (a yield)
-                log.info("fleet: unload on %s: %s", st.peer.info.hostname, e)
+            await self._unload_one(st)
 
-        await asyncio.gather(*(one(st) for st in self.stages))
+        await asyncio.gather(*(one(st) for st in self._all if st.peer is not None))
         for c in self._clients.values():
             c.close()
         self._clients.clear()
+
+    async def _unload_one(self, st: _Stage) -> None:
+        client = self._clients.get(st.peer.node_id) if st.peer is not None else None
+        if client is None or not st.data_port:
+            return
+        st.data_port = 0  # once
+        try:
+            await client.unload(st.sha256)
+        except Exception as e:  # gone, or already stopped (a yield)
+            log.info("fleet: unload on %s: %s", st.peer.info.hostname, e)
 
     def summary(self) -> dict:
         """Peers, plan and timings, as plain data."""
@@ -479,12 +558,229 @@ class FleetSession:
             "peers": [{"node_id": p.node_id, "host": p.info.hostname, "address": p.addresses[0],
                        "fingerprint": p.info.fingerprint, "left_out": self.left_out.get(p.node_id)}
                       for p in self.peers.values()],
-            "plan": [{"stage": st.index, "peer": st.peer.info.hostname, "node_id": st.peer.node_id,
+            "plan": [{"stage": st.index, "peer": st.host, "node_id": st.peer.node_id if st.peer else None,
                       "device": st.device, "layers": [st.start, st.end], "data_port": st.data_port,
                       "shard_sha256": st.sha256, "sent_bytes": st.sent_bytes} for st in self.stages],
+            "recoveries": [r.to_dict() for r in getattr(getattr(self.engine, "recovery", None), "records", [])],
             "predicted_tok_s": round(self.plan.predicted_tok_s, 1) if self.plan else None,
             "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
         }
+
+
+# ---------------------------------------------------------------- recovery
+
+
+class FleetRingProvider:
+    """The coordinator's re-plan provider on a fleet (engine/pipeline/recovery.py).
+
+    replan(): each lost stage's layers go to the first spare agent (paired, in
+    this session, not in the ring, not the one that lost it) that shares its PC
+    right now and has room: its shard is sent (skipped when cached) and loaded
+    exactly as at launch. When none can, and LaunchConfig.local_fallback
+    allows, a local shard worker on this PC takes them (CURVE under this
+    controller's key, which every agent's worker admits). Else
+    RecoveryImpossible says why for each candidate. retire(): unload the old
+    workers on their agents (a yielding agent may stop at once) / stop local
+    ones; it does not wait (it runs on the coordinator thread)."""
+
+    def __init__(self, session: FleetSession) -> None:
+        self.session = session
+        self.replacements: list[dict] = []  # what replan() did, for status and tests
+
+    def replan(self, loss: Any) -> list[Any]:
+        from engine.pipeline.recovery import RecoveryImpossible
+
+        s = self.session
+        if s._stopped:
+            raise RecoveryImpossible("the fleet session is closed")
+        by_link = {id(st.link): st for st in s._all if st.link is not None}
+        ring = [by_link.get(id(link)) for link in loss.stages]
+        if any(st is None for st in ring):
+            raise RecoveryImpossible("the ring has stages this fleet session did not start")
+        for i in loss.lost:
+            t = time.monotonic()
+            new = self._replace(ring, i)
+            ring[i] = new
+            self.replacements.append({"stage": i, "layers": [new.start, new.end], "host": new.host,
+                                      "node_id": new.peer.node_id if new.peer else None,
+                                      "sent_bytes": new.sent_bytes, "seconds": round(time.monotonic() - t, 3)})
+        for k, st in enumerate(ring):
+            st.index = k
+        s.stages = ring
+        return [st.link for st in ring]
+
+    def retire(self, links: Any, reason: str) -> None:
+        s = self.session
+        gone = {id(link) for link in links}
+        for st in s._all:
+            if st.link is None or id(st.link) not in gone:
+                continue
+            if st.peer is None:
+                threading.Thread(target=_stop_local, args=(st.proc,), daemon=True).start()
+            elif not s._stopped:
+                asyncio.run_coroutine_threadsafe(s._unload_one(st), s._loop.loop)
+
+    # -- choosing and starting a replacement ------------------------------------
+    def _replace(self, ring: list[_Stage], i: int) -> _Stage:
+        from engine.pipeline.recovery import RecoveryImpossible
+
+        s, old = self.session, ring[i]
+        busy = {st.peer.node_id for k, st in enumerate(ring) if st.peer is not None and k != i}
+        why: list[str] = []
+        for peer in s.peers.values():
+            name = peer.info.hostname
+            if old.peer is not None and peer.node_id == old.peer.node_id:
+                why.append(f"{name}: it lost the stage")
+                continue
+            if peer.node_id in busy:
+                why.append(f"{name}: already hosts a stage")
+                continue
+            try:
+                new = self._try_peer(ring, i, peer)
+            except RecoveryImpossible as e:
+                why.append(f"{name}: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - next candidate
+                log.warning("fleet: stage %d onto %s failed: %s", i, name, e)
+                why.append(f"{name}: {_one_line(e)}")
+                continue
+            log.warning("fleet: layers %d–%d now on %s", new.start, new.end, name)
+            return new
+        if s.cfg.local_fallback:
+            try:
+                return self._start_local(old)
+            except Exception as e:  # noqa: BLE001
+                why.append(f"this PC: {_one_line(e)}")
+        else:
+            why.append("this PC: not allowed to host stages (local_fallback is off)")
+        raise RecoveryImpossible(f"nothing can host layers {old.start}–{old.end} any more "
+                                 f"({'; '.join(why) or 'no other peer'})")
+
+    def _try_peer(self, ring: list[_Stage], i: int, peer: Peer) -> _Stage:
+        from engine.pipeline.plan_validate import validate_plan
+        from engine.pipeline.recovery import RecoveryImpossible
+
+        s, old = self.session, ring[i]
+        client = s._clients.get(peer.node_id)
+        if client is None:
+            raise RecoveryImpossible("no control channel")
+        status = s._loop.run(client.status(), 10)
+        s.statuses[peer.node_id] = status
+        if not status.sharing:
+            raise RecoveryImpossible(f"not sharing now: {status.reason}")
+        prof = peer_profile(peer, status)
+        kinds = [d for kind in s.cfg.device_preference for d in prof.devices if d.kind == kind]
+        if not kinds:
+            raise RecoveryImpossible(f"offers no device of kinds {', '.join(s.cfg.device_preference)}")
+        # Fit: the ring with this peer in place of the lost stage (the others assumed to fit, as they run).
+        profiles, specs = [prof], []
+        for k, st in enumerate(ring):
+            if k == i:
+                specs.append((prof.peer_id, kinds[0].name, st.start, st.end))
+            else:
+                pid = f"ring-{k}"
+                profiles.append(PeerProfile(pid, pid, (DeviceProfile("CPU", "CPU"),), 1 << 50))
+                specs.append((pid, "CPU", st.start, st.end))
+        issues = validate_plan(specs, s._plan_model, profiles, s._plan_request)
+        if issues:
+            raise RecoveryImpossible("; ".join(x.message for x in issues))
+        new = _Stage(i, peer, kinds[0].name, old.start, old.end, old.bundle, old.sha256,
+                     shard_path=old.shard_path)
+        s._loop.run(s._send_one(new), None)
+        s._loop.run(s._load_one(new), s.cfg.load_timeout_s + 10)
+        from engine.pipeline.coordinator import StageLink
+
+        new.link = StageLink(i, new.start, new.end, peer.endpoint(new.data_port), proc=new.proc, pid=new.pid,
+                             server_key=peer.info.public_key)
+        return new
+
+    def _start_local(self, old: _Stage) -> _Stage:
+        """A shard worker on this PC, started the way the local runner starts them."""
+        from engine.fleet.curve_data import write_curve_file
+        from engine.fleet.paths import ensure_private_dir, write_private
+        from engine.models.demo import cache_root
+        from engine.pipeline.coordinator import StageLink
+        from engine.pipeline.runner import REPO_ROOT
+
+        s = self.session
+        if old.shard_path is None:
+            raise FleetError("the shard is not on this PC")
+        if s._local_dir is None:
+            s._local_dir = ensure_private_dir(Path(tempfile.mkdtemp(prefix="flotilla-fleet-local-")))
+            write_private(s._local_dir / "node.secret", s.keys.secret + "\n")
+        # It feeds / is fed by agents' workers: admit every agent of the session (and us).
+        allow = [p.info.public_key for p in s.peers.values()] + [s.keys.public]
+        n = len(s._all)
+        curve = write_curve_file(s._local_dir / f"local-{n}.curve.json", s._local_dir / "node.secret", allow)
+        cmd = [sys.executable, "-m", "engine.pipeline.worker", "--shard", str(old.shard_path),
+               "--bind", f"tcp://{s._host}:*", "--name", f"stage {old.index} (this PC)", "--device", "CPU",
+               "--cache-dir", str(cache_root() / "ov-blobs"), "--parent-pid", str(os.getpid()),
+               "--curve", str(curve)] + (["--exact"] if s.cfg.exact else [])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        log_path = s._local_dir / f"local-{n}.log"
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, env=env,
+                                    cwd=str(REPO_ROOT), start_new_session=(os.name == "posix"),
+                                    creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
+        new = _Stage(old.index, None, "CPU", old.start, old.end, old.bundle, old.sha256,
+                     shard_path=old.shard_path, proc=proc, pid=proc.pid)
+        s._all.append(new)
+        line: list[bytes] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(s.cfg.load_timeout_s)
+        try:
+            new.endpoint = str(json.loads(line[0])["endpoint"]) if line and line[0] else ""
+        except (ValueError, KeyError, TypeError):
+            new.endpoint = ""
+        if not new.endpoint:
+            _stop_local(proc)
+            raise FleetError(f"the local worker did not start (log: {log_path})")
+        proc.stdout.close()
+        log.warning("fleet: layers %d–%d now on this PC (pid %d)", old.start, old.end, proc.pid)
+        new.link = StageLink(old.index, old.start, old.end, new.endpoint, proc=proc, log_path=log_path,
+                             server_key=s.keys.public)
+        return new
+
+
+def _stop_local(proc: Any) -> None:
+    if proc is None or not hasattr(proc, "send_signal") or proc.poll() is not None:
+        return
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM) if os.name == "posix" else proc.terminate()
+        proc.wait(2)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    except OSError:
+        pass
+
+
+def _exit_code(ev: AgentEvent) -> int:
+    """The exit an agent reported, as a Popen returncode (a yield = SIGTERM)."""
+    import signal
+
+    if ev.event == "worker_exit":
+        try:
+            return int(ev.detail.rsplit(" ", 1)[-1])
+        except ValueError:
+            return 1
+    return -int(signal.SIGTERM)
+
+
+def _log_migration(fut: Any, msg: str) -> None:
+    try:
+        rec = fut.result()
+        log.warning("fleet: %s: migrated in %.2f s", msg, rec.resume_s)
+    except Exception as e:  # noqa: BLE001
+        log.warning("fleet: %s: migration failed: %s", msg, e)
+
+
+def _one_line(e: BaseException) -> str:
+    return (" ".join(str(e).split()) or type(e).__name__)[:200]
 
 
 def _load_tokenizer(model_path: Path) -> Any:
@@ -521,5 +817,5 @@ def launch_fleet(keys: KeyPair, peers: Sequence[Peer], cfg: LaunchConfig = Launc
     return session.launch()
 
 
-__all__ = ["FleetEvent", "FleetSession", "LaunchConfig", "LoopThread", "async_discover", "async_pair_all",
+__all__ = ["FleetEvent", "FleetRingProvider", "FleetSession", "RemoteWorker", "LaunchConfig", "LoopThread", "async_discover", "async_pair_all",
            "controller_keys", "launch_fleet", "local_address_toward", "peer_links", "peer_profile"]

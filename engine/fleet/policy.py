@@ -31,12 +31,16 @@ class SharingPolicy:
     max_ram_gb: float = 8.0  # shards on this PC together may use at most this much
     devices: tuple[str, ...] = ("CPU", "GPU", "NPU")  # device families a worker may use
     yield_on_return: bool = True  # stop workers within 2 s when the user comes back
+    # before stopping them, tell controllers ("yielding") and give them up to this long to migrate
+    # the shards away and unload them; capped so the workers are still gone within 2 s. 0 = stop at once
+    yield_grace_s: float = 1.5
     max_cpu_percent_to_start: float = 90.0  # do not start work on a PC this busy
 
     def __post_init__(self) -> None:
         if not (self.idle_minutes >= 0 and self.max_ram_gb >= 0 and 0 < self.max_cpu_percent_to_start <= 100):
             raise ValueError("idle_minutes and max_ram_gb must be >= 0, max_cpu_percent_to_start in (0, 100]")
         object.__setattr__(self, "devices", tuple(str(d).upper() for d in self.devices))
+        object.__setattr__(self, "yield_grace_s", max(0.0, float(self.yield_grace_s)))  # never breaks a yield
 
     def allows_device(self, device: str) -> bool:
         """"GPU.1" is allowed by "GPU"; "AUTO" only if every family is allowed."""

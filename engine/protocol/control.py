@@ -42,7 +42,7 @@ _CODE = re.compile(r"[0-9]{6}\Z")
 
 ShardState = Literal["cached", "partial", "starting", "running", "exited"]
 PairState = Literal["pending", "accepted", "rejected"]
-EventKind = Literal["yield", "worker_exit"]
+EventKind = Literal["yield", "worker_exit", "yielding"]  # yielding: the user is back, unload now (grace)
 
 
 def _rid(v: object) -> bool:

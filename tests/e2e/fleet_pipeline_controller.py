@@ -94,7 +94,8 @@ def main() -> int:
         got_event.set()
 
     engine = launch_fleet(keys, peers, LaunchConfig(model="demo", stages=2, exact=True, max_concurrent=4,
-                                                    device_preference=("CPU",)), on_event=on_event)
+                                                    device_preference=("CPU",), recover=False),
+                          on_event=on_event)
     try:
         session = engine.fleet
         emit(event="launched", summary=session.summary(), return_endpoint=engine.return_endpoint)

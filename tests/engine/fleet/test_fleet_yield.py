@@ -36,7 +36,9 @@ def test_user_returns_agent_yields_within_2s(tmp_path):
                 assert time.time() - t0 < 5, "worker still running 5 s after the user came back"
                 await asyncio.sleep(0.02)
             took = time.time() - t0
-            event = await c.next_event(timeout=3)
+            first = await c.next_event(timeout=3)  # the hand-over grace: the controller may unload first
+            assert first is not None and first.event == "yielding" and first.shards == (sha,)
+            event = await c.next_event(timeout=3)  # it did not: the agent stopped the worker itself
             assert event is not None and event.event == "yield" and event.shards == (sha,)
             assert event.detail == "user active"
             st = await c.status()
@@ -52,5 +54,38 @@ def test_user_returns_agent_yields_within_2s(tmp_path):
         took = asyncio.run(main())
         print(f"\nyield: worker (ignoring SIGTERM) gone {took:.2f} s after the user returned")
         assert took < 2.0
+    finally:
+        agent.stop()
+
+
+def test_controller_unloads_within_the_grace_and_nothing_is_killed(tmp_path):
+    """The orderly path: "yielding" first; the controller hands the shard back
+    (Unload) within the grace; the agent then has nothing left to stop."""
+    agent = AgentProc(tmp_path).start()
+    try:
+        async def main() -> tuple[float, object]:
+            me = KeyPair.generate()
+            await pair(agent, me)
+            c = await AgentClient(me, agent.control, agent.public_key).async_connect()
+            shard = tmp_path / "s.bin"
+            shard.write_bytes(os.urandom(100_000))
+            sha = sha256_file(shard)
+            await c.send_shard(shard, "s")
+            pid = (await c.load(sha, "CPU", free_port())).shard.pid
+            t0 = time.time()
+            set_idle(agent.idle_file, 0)
+            ev = await c.next_event(timeout=3)
+            assert ev is not None and ev.event == "yielding" and ev.shards == (sha,)
+            await c.unload(sha)  # the migration is done: the old worker may stop
+            took = time.time() - t0
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            after = await c.next_event(timeout=2.0)  # no "yield": nothing was left to stop
+            c.close()
+            return took, after
+
+        took, after = asyncio.run(main())
+        assert after is None, after
+        assert took < 2.0
+        assert any("1 worker(s) handed back, 0 stopped" in ln for ln in agent.lines), agent.lines[-5:]
     finally:
         agent.stop()
