@@ -6,12 +6,17 @@ valid whatever expert it holds. A resident expert can be *pinned* (being
 computed with, or fetched for requests still waiting for it); only unpinned
 ones are evicted.
 
-Eviction by frequency and recency: every routing decision counts as a demand
-for its expert (hit or miss), demand counts are halved every `decay_every`
-demands so old popularity fades, and the victim is the unpinned expert with
-the lowest count, the least recently used among equals. Under the cyclic
-layer-by-layer access of decoding, plain LRU evicts exactly the experts that
-come back first; counting demand keeps the popular ones.
+Eviction: the victim is the unpinned expert whose next use is farthest away,
+then the least frequently demanded, then the least recently used. Decoding
+visits layers cyclically, so plain LRU evicts exactly the experts that come
+back first. The scheduler tells the cache (plan()) where its requests are:
+an expert of layer L is next needed after min over requests of the layers
+between the request and L (a request that already routed layer p needs
+layer p's other experts only on its next pass), and experts that routed
+requests wait for now count as needed at once. No expert choice is predicted;
+only the layer order is used. Frequency: every routing decision counts as a
+demand for its expert (hit or miss), counts are halved every `decay_every`
+demands so old popularity fades.
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ class ExpertCache:
         self._freq: dict[Key, _Freq] = {}
         self._clock = 0
         self._decay_every = decay_every or max(64, 4 * n)
+        self._dist: dict[int, int] = {}  # layer -> layers until some request needs it (plan())
+        self._wanted: set[Key] = set()  # experts routed requests wait for now (plan())
         self._cond = threading.Condition()
         self.stats = CacheStats()
 
@@ -125,6 +132,12 @@ class ExpertCache:
                 self.stats.demands += 1
                 self.stats.hits += key in self._where
 
+    def plan(self, dist: dict[int, int], wanted: set[Key]) -> None:
+        """Where the requests are: dist[layer] = layers until a request reaches it
+        (missing: unknown, 0), wanted = experts routed requests wait for now."""
+        with self._cond:
+            self._dist, self._wanted = dist, wanted
+
     def resident(self, key: Key) -> bool:
         with self._cond:
             return key in self._where
@@ -137,6 +150,25 @@ class ExpertCache:
                 return None
             self._slots[i].pins += 1
             return self._slots[i].views
+
+    def pin_many(self, keys) -> dict[Key, tuple]:
+        """pin() each of `keys` under one lock: {key: views} of the resident ones."""
+        out = {}
+        with self._cond:
+            for key in keys:
+                i = self._where.get(key)
+                if i is not None:
+                    self._slots[i].pins += 1
+                    out[key] = self._slots[i].views
+        return out
+
+    def unpin_many(self, keys) -> None:
+        with self._cond:
+            for key in keys:
+                i = self._where.get(key)
+                if i is not None and self._slots[i].pins > 0:
+                    self._slots[i].pins -= 1
+            self._cond.notify_all()
 
     def unpin(self, key: Key) -> None:
         with self._cond:
@@ -195,7 +227,8 @@ class ExpertCache:
             if s.key is None:
                 return i
             f = self._freq.get(s.key) or _Freq()
-            score = (f.count, f.last)
+            wanted = s.key in self._wanted
+            score = (wanted, -self._dist.get(s.key[0], 0) if not wanted else 0, f.count, f.last)
             if best_score is None or score < best_score:
                 best, best_score = i, score
         return best

@@ -28,7 +28,7 @@ from engine.moe.cache import ExpertCache
 from engine.moe.convert import ensure_store
 from engine.moe.fetcher import Fetcher
 from engine.moe.model import MoEModel
-from engine.moe.scheduler import SCHEDULERS, Seq, make_scheduler
+from engine.moe.scheduler import ABLATIONS, SCHEDULERS, Seq, make_scheduler
 from engine.moe.store import ExpertStore, StoreConfig
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.chat import chat_ids, prompt_ids
@@ -44,7 +44,7 @@ IDLE_WAIT_S = 0.1  # how long the idle scheduler thread sleeps between checks
 
 @dataclass(frozen=True)
 class MoEConfig:
-    scheduler: str = "bevy"  # "bevy", or a baseline: "on_demand", "prefetch", "resident"
+    scheduler: str = "bevy"  # "bevy", or a baseline: "on_demand", "prefetch", "resident" (or "on_demand_overlap")
     cache_budget_bytes: int | None = None  # RAM for cached experts; None = half the free RAM
     fetch_threads: int = 4  # parallel blob reads (keeps the disk queue full)
     direct_io: bool = True  # O_DIRECT reads, so figures show the disk, not the page cache
@@ -81,7 +81,7 @@ class MoEEngine(Engine):
                  progress: Progress | None = None,
                  logits_hook: Callable[[str, np.ndarray], None] | None = None) -> None:
         super().__init__()
-        if config.scheduler not in SCHEDULERS:
+        if config.scheduler not in SCHEDULERS + ABLATIONS:
             raise EngineError(f"unknown scheduler {config.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
         if config.max_concurrent < 1:
             raise EngineError("max_concurrent must be at least 1")
@@ -149,6 +149,7 @@ class MoEEngine(Engine):
                 "hit_rate": c.hit_rate, "bytes_read": self.store.bytes_read, "blobs_read": self.store.reads,
                 "speculative_reads": f.speculative, "io_busy_s": f.busy_s, "compute_s": s.compute_s,
                 "wait_s": s.wait_s, "passes": s.passes, "groups": s.groups,
+                "mean_batch": s.batch_rows / s.batches if s.batches else 0.0,
                 "mean_group": float(np.mean(s.group_sizes)) if s.group_sizes else 0.0}
 
     # -- Engine hooks ----------------------------------------------------------------------

@@ -57,26 +57,30 @@ class Fetcher:
             t.start()
 
     # -- scheduler side ---------------------------------------------------------------
-    def request(self, key: Key, priority: float = 0.0, hold: bool = True) -> None:
+    def request(self, key: Key, priority: float = 0.0, hold: bool = True) -> bool:
         """Ask for `key` (no-op if resident, queued or in flight; the priority and
-        hold are raised if it already is queued)."""
+        hold are raised if it already is queued). True if it will land held and be
+        reported by take_arrived (False: resident already, or its fetch failed)."""
         with self._cv:
-            if key in self._inflight or key in self.errors:
+            if key in self.errors:
+                return False
+            if key in self._inflight:
                 if hold:
                     self._hold[key] = True
-                return
+                return self._hold.get(key, False)
             if key in self._queued:
                 self._hold[key] = self._hold.get(key, False) or hold
                 if priority > self._queued[key]:
                     self._queued[key] = priority
                     heapq.heappush(self._heap, (-priority, next(self._order), key))
-                return
+                return self._hold[key]
             if self.cache.resident(key):
-                return
+                return False
             self._queued[key] = priority
             self._hold[key] = hold
             heapq.heappush(self._heap, (-priority, next(self._order), key))
             self._cv.notify()
+            return hold
 
     def pending(self, key: Key) -> bool:
         with self._cv:

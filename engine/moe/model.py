@@ -55,9 +55,10 @@ class Batch:
     wflat: torch.Tensor | None = None  # [N * k] routing weights, row-major
     acc: torch.Tensor | None = None  # [N, H] routed output accumulated so far
     shared: torch.Tensor | None = None  # [N, H] shared-expert output (Qwen2-MoE), else None
-    groups: dict[int, tuple] = field(default_factory=dict)  # expert -> (rows [m], flat [m], request indexes)
-    left: list[int] = field(default_factory=list)  # per request: experts not applied yet
-    done: set[int] = field(default_factory=set)  # experts applied to this batch
+    groups: dict[int, tuple] = field(default_factory=dict)  # expert -> (rows [m], flat [m]) of every request
+    route: dict[int, dict[int, tuple]] = field(default_factory=dict)  # expert -> request -> (rows, flat) lists
+    needs: list[set[int]] = field(default_factory=list)  # per request: experts not applied yet
+    moved: list[bool] = field(default_factory=list)  # per request: left this batch (next layer)
 
     @property
     def starts(self) -> list[int]:
@@ -68,9 +69,13 @@ class Batch:
         return out
 
     @property
-    def todo(self) -> list[int]:
-        """Experts still to apply at this layer."""
-        return [e for e in self.groups if e not in self.done]
+    def todo(self) -> set[int]:
+        """Experts still to apply at this layer (to requests still here and alive)."""
+        out: set[int] = set()
+        for i, need in enumerate(self.needs):
+            if need and not self.moved[i] and self.states[i].slot >= 0:
+                out |= need
+        return out
 
 
 class KVPool:
@@ -148,6 +153,19 @@ class MoEModel:
         self.clip_qkv = getattr(config, "clip_qkv", None)
         self.windows = [_window(config, i) for i in range(len(self.layers))]
         self.kv = KVPool(len(self.layers), self.kv_heads, self.head_dim)
+        # q, k and v projections fused into one matmul per layer: [(heads + 2 kvh) d, H].
+        self.qkv = []
+        for lay in self.layers:
+            a = lay.self_attn
+            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            bias = None
+            if a.q_proj.bias is not None:
+                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            self.qkv.append((w, bias))
+        self._split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        rope = self.model.model.rotary_emb
+        self._rope_static = getattr(rope, "rope_type", "default") == "default"
+        self._cos = self._sin = torch.empty(0, self.head_dim)  # RoPE table [positions, d] (static RoPE)
 
     @property
     def num_layers(self) -> int:
@@ -180,8 +198,8 @@ class MoEModel:
         """Attention of layer b.layer over all rows, then its router. True if routed
         experts are needed (b.groups set); False for a dense layer (its MLP is done)."""
         lay = self.layers[b.layer]
-        b.x = b.x + self._attention(b, lay.self_attn, lay.input_layernorm(b.x))
-        h = lay.post_attention_layernorm(b.x)  # [N, H]
+        b.x = b.x + self._attention(b, lay.self_attn, _rms(lay.input_layernorm, b.x))
+        h = _rms(lay.post_attention_layernorm, b.x)  # [N, H]
         if b.layer not in self.moe_layers:
             b.x = b.x + lay.mlp(h)
             return False
@@ -195,24 +213,28 @@ class MoEModel:
         # Which rows go to which expert, in plain Python (a few dozen entries per decode step).
         owner = [i for i, n in enumerate(b.ns) for _ in range(n)]
         k = experts.shape[1]
-        rows: dict[int, list[int]] = {}
-        flat: dict[int, list[int]] = {}
+        route: dict[int, dict[int, tuple]] = {}
         for f, e in enumerate(experts.reshape(-1).tolist()):
-            rows.setdefault(e, []).append(f // k)
-            flat.setdefault(e, []).append(f)
-        b.groups, b.done = {}, set()
-        b.left = [0] * len(b.states)
-        for e, r in rows.items():
-            who = sorted({owner[i] for i in r})
-            for i in who:
-                b.left[i] += 1
-            b.groups[e] = (torch.tensor(r, dtype=torch.long), torch.tensor(flat[e], dtype=torch.long), who)
+            row = f // k
+            rows, flat = route.setdefault(e, {}).setdefault(owner[row], ([], []))
+            rows.append(row)
+            flat.append(f)
+        b.route = route
+        b.groups = {e: (torch.tensor([r for rr, _ in by.values() for r in rr], dtype=torch.long),
+                        torch.tensor([f for _, ff in by.values() for f in ff], dtype=torch.long))
+                    for e, by in route.items()}
+        b.needs = [set() for _ in b.states]
+        b.moved = [False] * len(b.states)
+        for e, by in route.items():
+            for i in by:
+                b.needs[i].add(e)
         return True
 
     def _attention(self, b: Batch, attn, xn: torch.Tensor) -> torch.Tensor:
         """Self-attention of every row of b (xn [N, H] normed input) -> [N, H]."""
         N, d = xn.shape[0], self.head_dim
-        q, k, v = attn.q_proj(xn), attn.k_proj(xn), attn.v_proj(xn)  # [N, heads * d], [N, kvh * d] x2
+        w, bias = self.qkv[b.layer]
+        q, k, v = F.linear(xn, w, bias).split(self._split, dim=-1)  # [N, heads * d], [N, kvh * d] x2
         if self.family == "olmoe":  # q/k norm over all heads, then optional clipping
             q, k = attn.q_norm(q), attn.k_norm(k)
             if self.clip_qkv is not None:
@@ -220,8 +242,7 @@ class MoEModel:
         q, k, v = q.view(N, -1, d), k.view(N, -1, d), v.view(N, -1, d)  # [N, heads|kvh, d]
         if self.family != "olmoe" and hasattr(attn, "q_norm"):  # Qwen3-MoE: per head
             q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = self.model.model.rotary_emb(xn[None], b.pos[None])  # [1, N, d] each
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, d]
+        cos, sin = self._rope(xn, b.pos)  # [N, 1, d] each
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         pk, pv = self.kv.k[b.layer], self.kv.v[b.layer]  # [S, kvh, cap, d]
@@ -265,6 +286,23 @@ class MoEModel:
             outs.append(o[0].transpose(0, 1).reshape(n, -1))
         return attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, d] of positions pos [N]: rows of a table the model's own
+        rotary module computed (the same values: each entry is one product), or
+        that module called on pos when its RoPE depends on the length (dynamic types)."""
+        rope = self.model.model.rotary_emb
+        if not self._rope_static:
+            cos, sin = rope(x[None], pos[None])  # [1, N, d]
+            return cos[0, :, None], sin[0, :, None]
+        need = int(pos.max()) + 1
+        if need > len(self._cos):
+            n = max(256, len(self._cos))
+            while n < need:
+                n *= 2
+            cos, sin = rope(x[None, :1], torch.arange(n)[None])  # [1, n, d]
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos.index_select(0, pos)[:, None], self._sin.index_select(0, pos)[:, None]
+
     @torch.inference_mode()
     def predict(self, layer: int, h: torch.Tensor) -> set[int]:
         """The prediction baseline: `layer`'s router applied to another layer's
@@ -273,25 +311,32 @@ class MoEModel:
         return set(experts.unique().tolist())
 
     @torch.inference_mode()
-    def apply_expert(self, expert: int, views: tuple, parts: list[Batch]) -> None:
-        """One expert on every row routed to it across `parts` (batches at one layer):
-        one matmul set, the outputs scaled by their routing weights and added to each batch."""
+    def apply_expert(self, expert: int, views: tuple, parts: list[tuple[Batch, list[int]]]) -> None:
+        """One expert on the rows routed to it of requests parts[j][1] of batch parts[j][0]
+        (batches at one layer): one matmul set, the outputs scaled by their routing
+        weights and added to each batch."""
         gate_up, down = views  # [2I, H], [H, I]
-        picks = [b.groups[expert] for b in parts]
+        picks = []
+        for b, who in parts:
+            by = b.route[expert]
+            if len(who) == len(by):  # every request of b routed here: the prebuilt index
+                picks.append(b.groups[expert])
+            else:
+                picks.append((torch.tensor([r for i in who for r in by[i][0]], dtype=torch.long),
+                              torch.tensor([f for i in who for f in by[i][1]], dtype=torch.long)))
+            for i in who:
+                b.needs[i].discard(expert)
         if len(parts) == 1:
-            rows = parts[0].h.index_select(0, picks[0][0])  # [m, H]
+            rows = parts[0][0].h.index_select(0, picks[0][0])  # [m, H]
         else:
-            rows = torch.cat([b.h.index_select(0, p[0]) for b, p in zip(parts, picks)])
+            rows = torch.cat([b.h.index_select(0, p[0]) for (b, _), p in zip(parts, picks)])
         gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)  # [m, I] each
         out = F.linear(self.act(gate) * up, down)  # [m, H]
         start = 0
-        for b, (r, f, who) in zip(parts, picks):
+        for (b, _), (r, f) in zip(parts, picks):
             m = len(r)
             b.acc.index_add_(0, r, out[start:start + m] * b.wflat.index_select(0, f)[:, None])
             start += m
-            b.done.add(expert)
-            for i in who:
-                b.left[i] -= 1
 
     @torch.inference_mode()
     def advance(self, layer: int, parts: list[tuple[Batch, list[int]]]) -> Batch:
@@ -327,6 +372,11 @@ class MoEModel:
         last = torch.tensor([starts[i] + b.ns[i] - 1 for i in want], dtype=torch.long)
         x = self.model.model.norm(b.x.index_select(0, last))
         return self.model.lm_head(x)  # [len(want), vocab]
+
+
+def _rms(norm, x: torch.Tensor) -> torch.Tensor:
+    """The transformers RMSNorm `norm` (weight * x / rms(x), float32) as one fused op."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -9,21 +9,21 @@ requests that are at a layer together are attended and routed in one call,
 and each expert is applied once to all rows that wait for it.
 
 * "bevy" (BevyScheduler): no barrier between requests. Each round: requests
-  that start a pass enter layer 0 as one batch; for every (layer, expert) some
-  request waits for: resident -> one group (all waiting rows, across batches)
-  computed now; missing -> the fetcher is asked for exactly that expert,
-  prioritised by how many requests wait for it -- no prediction. A request
-  leaves a layer when its last expert was applied; the requests that leave
-  layer L in the same round enter layer L+1 as one batch, while others still
-  wait for their experts: a request that is ready runs ahead instead of
-  waiting for a lockstep. Nothing waits to form big groups: with few requests
-  ready they run at once, with many the batches and groups grow by themselves
-  (self-balancing). Fetch threads read while this thread computes, so compute
-  overlaps I/O.
+  whose selected experts are all resident run now, grouped per expert (one
+  matmul set for all their rows, across batches); requests with missing
+  experts wait while exactly those experts are fetched -- no prediction --
+  prioritised by how close their waiters are to running. If no request is
+  complete, the resident experts of waiting ones are applied meanwhile.
+  Requests done with a layer line up for the next and enter it as one batch
+  as soon as no expert work is ready (self-balancing: at once when the
+  thread would idle on the disk, bigger batches when compute is the
+  bottleneck; nothing waits for I/O to form a batch). Requests sit at
+  different layers: a ready request runs ahead instead of waiting for a
+  lockstep. Fetch threads read while this thread computes.
 * "on_demand" (lockstep, llama.cpp-style): all sequences advance layer by
   layer together; at each layer the missing experts are read (in parallel,
-  the same fetcher) while the batch waits; resident ones are computed while
-  the reads run, and each read expert as soon as it lands.
+  the same fetcher, a full disk queue) while the batch waits, then the
+  layer's experts are computed.
 * "prefetch" (lockstep + prediction, mixtral-offloading / ProMoE-style): as
   on_demand, but at layer L the router of layer L+1 is applied to layer L's
   hidden state and the experts it predicts are fetched ahead (behind L's
@@ -45,6 +45,7 @@ from engine.moe.model import Batch, MoEModel, SeqState
 from engine.moe.store import Key
 
 SCHEDULERS = ("bevy", "on_demand", "prefetch", "resident")
+ABLATIONS = ("on_demand_overlap",)  # on_demand computing each expert as it lands (docs/moe.md)
 NOW = 1e12  # fetch priority of experts a lockstep batch is blocked on
 
 
@@ -125,7 +126,7 @@ class Scheduler:
             self.stats.batches += 1
             self.stats.batch_rows += len(b.x)
             if m.attend(b):
-                keys = [(b.layer, e) for e, (_r, _f, who) in b.groups.items() for _ in who]
+                keys = [(b.layer, e) for e, by in b.route.items() for _ in by]
                 self.cache.demand_many(keys)  # one demand per (request, expert)
                 for st in b.states:
                     self._owner[id(st)].layer = b.layer
@@ -160,13 +161,13 @@ class Scheduler:
         layer = parts[0][0].layer + 1
         return self._route(self.model.advance(layer, parts))
 
-    def _apply(self, key: Key, views: tuple, batches: list[Batch]) -> None:
-        self.model.apply_expert(key[1], views, batches)
+    def _apply(self, key: Key, views: tuple, parts: list[tuple[Batch, list[int]]]) -> None:
+        """Expert `key` on requests parts[j][1] of batch parts[j][0]."""
+        self.model.apply_expert(key[1], views, parts)
         self.stats.groups += 1
-        n = sum(len(b.groups[key[1]][2]) for b in batches)
-        self.stats.rows += sum(len(b.groups[key[1]][0]) for b in batches)
+        self.stats.rows += sum(len(b.route[key[1]][i][0]) for b, who in parts for i in who)
         if len(self.stats.group_sizes) < 100_000:
-            self.stats.group_sizes.append(n)
+            self.stats.group_sizes.append(sum(len(who) for _b, who in parts))
 
     def _fail(self, seq: Seq, err: BaseException) -> None:
         if seq.sid in self.seqs:
@@ -179,25 +180,40 @@ class Scheduler:
         if err is None:
             return False
         for b in batches:
-            for i in b.groups[key[1]][2]:
-                st = b.states[i]
-                if _alive(st):
-                    self._fail(self._owner[id(st)], err)
+            for i in self._waiters(b, key[1]):
+                self._fail(self._owner[id(b.states[i])], err)
         return True
 
+    def _plan(self, wanted: set[Key]) -> None:
+        """Tell the cache where the requests are (its eviction order, see cache.py)."""
+        n = self.model.num_layers
+        at = {(0, False) if s.layer < 0 else (s.layer, True) for s in self.seqs.values()}
+        dist = {}
+        for layer in self.model.moe_layers:
+            d = n
+            for p, routed in at:
+                k = layer - p
+                if k < 0 or (k == 0 and routed):  # passed (or routed) already: next pass
+                    k += n
+                d = min(d, k)
+            dist[layer] = d
+        self.cache.plan(dist, wanted)
+
     @staticmethod
-    def _needed(b: Batch, e: int) -> int:
-        """Live requests of b that wait for expert e."""
-        return sum(1 for i in b.groups[e][2] if _alive(b.states[i]))
+    def _waiters(b: Batch, e: int) -> list[int]:
+        """Requests of b (alive, still at its layer) that wait for expert e."""
+        return [i for i in b.route.get(e, ()) if e in b.needs[i] and not b.moved[i] and _alive(b.states[i])]
 
 
 class LockstepScheduler(Scheduler):
     """on_demand / prefetch / resident: every sequence at the same layer."""
 
-    def __init__(self, model: MoEModel, cache: ExpertCache, fetcher: Fetcher, mode: str) -> None:
+    def __init__(self, model: MoEModel, cache: ExpertCache, fetcher: Fetcher, mode: str,
+                 overlap: bool = False) -> None:
         super().__init__(model, cache, fetcher)
         self.mode = mode
         self.name = mode
+        self.overlap = overlap  # compute each expert as it lands instead of after the layer's reads
 
     def tick(self) -> None:
         seqs = [s for s in self.seqs.values() if s.feed]
@@ -210,6 +226,7 @@ class LockstepScheduler(Scheduler):
             nxt = b.layer + 1
             if self.mode == "prefetch" and nxt in self.model.moe_layers:
                 self._prefetch(nxt, b.h)
+            self._plan({(b.layer, e) for e in b.groups})
             self._serve(b)
             live = [i for i, st in enumerate(b.states) if _alive(st)]
             if not live:
@@ -224,44 +241,64 @@ class LockstepScheduler(Scheduler):
                 self.fetcher.request((layer, e), priority=0.0, hold=False)
 
     def _serve(self, b: Batch) -> None:
-        """Compute every needed expert of b's layer; block on the missing ones."""
+        """The layer's missing experts are read (in parallel) while the batch waits,
+        then every needed expert of the layer is computed (llama.cpp-style: fetch
+        synchronously, then compute). With overlap=True each expert is computed as
+        soon as it is resident instead (a stronger variant, measured in docs/moe.md)."""
         layer = b.layer
-        resident: list[tuple[Key, tuple]] = []
+        ready: list[tuple[Key, tuple]] = []  # pinned, to compute
         missing: set[Key] = set()
         for e in sorted(b.groups):
-            if not self._needed(b, e):
+            if not self._waiters(b, e):
                 continue
             key = (layer, e)
             views = self.cache.pin(key)
             if views is None:
                 missing.add(key)
             else:
-                resident.append((key, views))
-        for key in sorted(missing):  # ask first: the reads run while the resident ones compute
-            self.fetcher.request(key, priority=NOW, hold=True)
-        for key, views in resident:
-            self._apply(key, views, [b])
-            self.cache.unpin(key)
-        held: set[Key] = set()  # arrived for us, pinned once, not used yet
-        while missing:
+                ready.append((key, views))
+        # Keys that will land held: each brings one pin, released once it was reported.
+        expect = {key for key in sorted(missing) if self.fetcher.request(key, priority=NOW, hold=True)}
+        # A cache smaller than the layer's experts cannot hold them all at once: then
+        # each is computed as it lands (and unpinned) whatever the mode.
+        overlap = self.overlap or len(ready) + len(missing) > self.cache.capacity
+        if overlap:
+            self._compute(b, ready)
+        held: set[Key] = set()  # arrived for us, pinned once, not pinned by us yet
+        seen: set[Key] = set()  # every arrival reported
+        while missing or expect - seen:
             t = time.perf_counter()
-            held |= set(self.fetcher.take_arrived(wait_s=0.05))
+            got = set(self.fetcher.take_arrived(wait_s=0.05))
             self.stats.wait_s += time.perf_counter() - t
+            held |= got
+            seen |= got
+            expect -= set(self.fetcher.errors)
             for key in sorted(missing):
-                if self._check_errors(key, [b]) or not self._needed(b, key[1]):
+                if self._check_errors(key, [b]) or not self._waiters(b, key[1]):
                     missing.discard(key)
                     continue
                 views = self.cache.pin(key)  # resident: a held arrival, or landed unheld (prefetch)
                 if views is None:
-                    if not self.fetcher.pending(key):  # evicted before use: ask again
-                        self.fetcher.request(key, priority=NOW, hold=True)
+                    if not self.fetcher.pending(key) and self.fetcher.request(key, priority=NOW, hold=True):
+                        expect.add(key)  # evicted before use (unheld prefetch): asked again
                     continue
-                self._apply(key, views, [b])
-                self.cache.unpin(key)
+                ready.append((key, views))
                 missing.discard(key)
-            for key in held - missing:  # used (or no longer wanted): drop the arrival pin
+            for key in held - missing:  # pinned into `ready` (or not wanted): drop the arrival pin
                 self.cache.unpin(key)
             held &= missing
+            if overlap:
+                self._compute(b, ready)
+        self._compute(b, ready)
+
+    def _compute(self, b: Batch, ready: list[tuple[Key, tuple]]) -> None:
+        """Apply the pinned experts `ready` to b and unpin them (the list is emptied)."""
+        for key, views in ready:
+            who = self._waiters(b, key[1])
+            if who:
+                self._apply(key, views, [(b, who)])
+            self.cache.unpin(key)
+        ready.clear()
 
 
 class BevyScheduler(Scheduler):
@@ -272,75 +309,116 @@ class BevyScheduler(Scheduler):
 
     def __init__(self, model: MoEModel, cache: ExpertCache, fetcher: Fetcher) -> None:
         super().__init__(model, cache, fetcher)
-        self._held: set[Key] = set()  # arrived for waiters, pinned once, not used yet
-        self._batches: list[Batch] = []  # batches waiting at some layer for experts
+        self._held: set[Key] = set()  # arrived for waiters, pinned once, waiters not all served yet
+        self._batches: list[Batch] = []  # batches at some layer with requests waiting for experts
+        self._asked: dict[Key, float] = {}  # fetches asked for, at which priority
+        # Requests done with a layer, not yet attended at the next: layer -> [(batch, requests)].
+        self._entering: dict[int, list[tuple[Batch, list[int]]]] = {}
 
-    def tick(self) -> None:
+    def tick(self, rounds: int = 16) -> None:
+        """Rounds until one has nothing to compute (then it waited for an expert to
+        land), at most `rounds` so the engine loop admits and cancels often enough."""
+        for _ in range(rounds):
+            if not self._round():
+                return
+
+    def _round(self) -> bool:
+        """One round; False if there was nothing to compute (it waited for the disk)."""
         t0 = time.perf_counter()
+        # Who waits for what: (layer, expert) -> [(batch, requests)].
+        waiting: dict[Key, list[tuple[Batch, list[int]]]] = {}
+        for b in self._batches:
+            for e in b.todo:
+                who = self._waiters(b, e)
+                if who:
+                    waiting.setdefault((b.layer, e), []).append((b, who))
+        self._arrivals(0.0)
+        if self.fetcher.errors:
+            for key in [k for k in waiting if self._check_errors(k, [b for b, _ in waiting[k]])]:
+                del waiting[key]
+        views = self.cache.pin_many(waiting)  # the resident ones, pinned for this round
+        # Requests whose experts are all resident run now, grouped per expert; the others
+        # wait for exactly their missing experts. When none is complete, the resident
+        # experts of waiting requests are applied meanwhile (progress with a small cache,
+        # and compute that would otherwise idle while the disk reads).
+        missing_of: dict[tuple[int, int], int] = {}  # (id(batch), request) -> missing experts
+        for b in self._batches:
+            for i, need in enumerate(b.needs):
+                if need and not b.moved[i] and _alive(b.states[i]):
+                    missing_of[(id(b), i)] = sum(1 for e in need if (b.layer, e) not in views)
+        complete = any(m == 0 for m in missing_of.values())
+        ready: dict[Key, list[tuple[Batch, list[int]]]] = {}
+        want: dict[Key, float] = {}  # missing expert -> requests it frees (1 / their missing count)
+        for key, group in waiting.items():
+            if key in self.fetcher.errors:
+                continue
+            for b, who in group:
+                if key in views:
+                    run = [i for i in who if not complete or missing_of.get((id(b), i)) == 0]
+                    if run:
+                        ready.setdefault(key, []).append((b, run))
+                else:
+                    want[key] = want.get(key, 0.0) + sum(1.0 / max(1, missing_of.get((id(b), i), 1))
+                                                         for i in who)
+        for key, pri in want.items():
+            # Priority: how close to running the requests blocked on it are (a request
+            # missing only this expert counts 1); among equals the fetcher keeps
+            # first-asked-first-served, so no request starves.
+            if self._asked.get(key, -1.0) < pri and self.fetcher.request(key, priority=pri, hold=True):
+                self._asked[key] = pri  # it will land held and be reported (then forgotten)
+        order = sorted(ready, key=lambda k: -sum(len(w) for _b, w in ready[k]))  # biggest groups first
+        for key in order:
+            self._apply(key, views[key], ready[key])
+        self.cache.unpin_many(views)
+        for key in [k for k in self._held if not any(self._waiters(b, k[1]) for b, _ in waiting.get(k, ()))]:
+            self._held.discard(key)  # every waiter got it (or none is left): drop the arrival pin
+            self.cache.unpin(key)
+        # Requests with every expert applied leave their layer and line up for the next.
+        for b in self._batches:
+            idx = [i for i, st in enumerate(b.states) if not b.needs[i] and not b.moved[i] and _alive(st)]
+            if idx:
+                self._entering.setdefault(b.layer, []).append((b, idx))
+                for i in idx:
+                    b.moved[i] = True
+        self._batches = [b for b in self._batches
+                         if any(not m and _alive(st) for m, st in zip(b.moved, b.states))]
+        if ready:  # expert work was done: look for more before attending the lined-up ones
+            self.stats.compute_s += time.perf_counter() - t0
+            return True
+        # Self-balancing: the lined-up requests of each layer enter it as one batch as soon
+        # as no expert work is ready -- at once when the thread would idle on the disk
+        # (few ready: small batches, no waiting), later and bigger when compute is the
+        # bottleneck (many ready: they pile up while the thread is busy).
+        entering, self._entering = self._entering, {}
+        for layer in sorted(entering, reverse=True):  # the furthest first
+            parts = [(b, [i for i in idx if _alive(b.states[i])]) for b, idx in entering[layer]]
+            parts = [(b, idx) for b, idx in parts if idx]
+            if parts:
+                nb = self._next(parts)
+                if nb is not None:
+                    self._batches.append(nb)
         fresh = [s for s in self.seqs.values() if s.layer < 0 and s.feed]  # admitted, or a next token
-        if fresh:
+        if fresh:  # their next pass enters layer 0 as one batch
+            entering[-1] = []
             b = self._start(fresh)
             if b is not None:
                 self._batches.append(b)
-        # Who waits for what: (layer, expert) -> batches, and how many requests.
-        waiting: dict[Key, list[Batch]] = {}
-        count: dict[Key, int] = {}
-        for b in self._batches:
-            for e in b.todo:
-                n = self._needed(b, e)
-                if n:
-                    key = (b.layer, e)
-                    waiting.setdefault(key, []).append(b)
-                    count[key] = count.get(key, 0) + n
-        self._held |= set(self.fetcher.take_arrived())
-        ready: list[tuple[Key, tuple, list[Batch]]] = []
-        for key, group in waiting.items():
-            if self._check_errors(key, group):
-                continue
-            views = self.cache.pin(key)
-            if views is not None:
-                ready.append((key, views, group))
-            else:
-                # Priority: requests blocked on it; among equals the fetcher keeps
-                # first-asked-first-served, so no request starves.
-                self.fetcher.request(key, priority=float(count[key]), hold=True)
-        for key in [k for k in self._held if k not in waiting]:  # waiters gone (cancelled, failed)
-            self._held.discard(key)
-            self.cache.unpin(key)
-        if not ready:
-            self._drop_finished()
-            self.stats.compute_s += time.perf_counter() - t0
-            if self.seqs:
-                t = time.perf_counter()
-                self._held |= set(self.fetcher.take_arrived(wait_s=0.05))
-                self.stats.wait_s += time.perf_counter() - t
-            return
-        ready.sort(key=lambda r: -count[r[0]])  # biggest groups first: they free the most requests
-        for key, views, group in ready:
-            self._apply(key, views, group)
-            self.cache.unpin(key)
-            if key in self._held:
-                self._held.discard(key)
-                self.cache.unpin(key)
-        # Requests whose experts are all applied leave their layer; those leaving the
-        # same layer now enter the next one as one batch.
-        moving: dict[int, list[tuple[Batch, list[int]]]] = {}
-        for b in self._batches:
-            idx = [i for i, st in enumerate(b.states) if b.left[i] == 0 and _alive(st)]
-            if idx:
-                moving.setdefault(b.layer, []).append((b, idx))
-                for i in idx:
-                    b.left[i] = -1  # moved on
-        for layer in sorted(moving, reverse=True):  # the furthest first
-            nb = self._next(moving[layer])
-            if nb is not None:
-                self._batches.append(nb)
-        self._drop_finished()
+        if entering:
+            self._plan({(b.layer, e) for b in self._batches for e in b.todo})
         self.stats.compute_s += time.perf_counter() - t0
+        if entering:
+            return True
+        if self.seqs:  # nothing to compute: wait for an expert to land
+            t = time.perf_counter()
+            self._arrivals(0.05)
+            self.stats.wait_s += time.perf_counter() - t
+        return False
 
-    def _drop_finished(self) -> None:
-        self._batches = [b for b in self._batches
-                         if any(b.left[i] >= 0 and _alive(st) for i, st in enumerate(b.states))]
+    def _arrivals(self, wait_s: float) -> None:
+        """Experts that landed for waiters: pinned once until their waiters were served."""
+        for key in self.fetcher.take_arrived(wait_s=wait_s):
+            self._held.add(key)
+            self._asked.pop(key, None)
 
 
 def make_scheduler(kind: str, model: MoEModel, cache: ExpertCache, fetcher: Fetcher) -> Scheduler:
@@ -348,4 +426,6 @@ def make_scheduler(kind: str, model: MoEModel, cache: ExpertCache, fetcher: Fetc
         return BevyScheduler(model, cache, fetcher)
     if kind in ("on_demand", "prefetch", "resident"):
         return LockstepScheduler(model, cache, fetcher, kind)
+    if kind == "on_demand_overlap":  # not a listed baseline: the overlap ablation of docs/moe.md
+        return LockstepScheduler(model, cache, fetcher, "on_demand", overlap=True)
     raise ValueError(f"unknown scheduler {kind!r}; choose one of {', '.join(SCHEDULERS)}")

@@ -85,3 +85,24 @@ def test_cancel_mid_generation(moe_model):
         eng.cancel(rid)
         assert list(stream)[-1].finish_reason == "cancelled"
         assert list(eng.stream(other, timeout=30))[-1].finish_reason in ("length", "stop")
+
+
+def test_eviction_follows_the_layer_order_of_the_requests(moe_model):
+    """Decoding visits layers cyclically: with requests just routed at layer 1, the
+    layer they reach last (1 itself, next pass) goes first; experts that routed
+    requests wait for go last."""
+    _path, store_dir = moe_model("mixtral")  # 3 layers x 8 experts
+    store = ExpertStore(store_dir)
+    cache = ExpertCache(store.index, 3 * store.index.blob_bytes)
+    l0, l1, l2 = (0, 0), (1, 0), (2, 0)
+    for key in (l1, l1, l1, l0, l2):  # l1 is the most frequent: frequency alone would keep it
+        cache.demand(key)
+    cache.preload(store, [l0, l1, l2])
+    cache.plan({0: 2, 1: 3, 2: 1}, wanted=set())  # layers until a request needs each layer
+    slot = cache.reserve(timeout=0)
+    assert not cache.resident(l1) and cache.resident(l0) and cache.resident(l2)
+    store.read_into(l1, cache.buffer(slot))
+    cache.commit(slot, l1, pins=0)
+    cache.plan({0: 2, 1: 3, 2: 1}, wanted={l1})  # a request waits for l1: keep it, evict l0 (farthest left)
+    cache.reserve(timeout=0)
+    assert cache.resident(l1) and cache.resident(l2) and not cache.resident(l0)
