@@ -1,14 +1,22 @@
 """`flotilla bench sparse`: the sparse-FFN engine against its baselines, on a
 random-weight Llama whose FFN is bigger than the memory cap.
 
-cap = 50 % of the FFN bytes. Ours: attention/embeddings resident, neuron cache
-= cap - (predictors [+ resident gates in exact mode]). The mmap baseline: the
-dense model through mmap in a child process whose cgroup limit is its own
-setup usage + resident non-FFN bytes + cap (the same weight RAM), page cache
-dropped first. Also: on-demand (same cache, no prefetch), all-resident
-sparse (cache holds every neuron) and all-resident dense (transformers).
-Repeats are interleaved; figures are medians. Random weights have little
-temporal locality: the measured overlap is reported next to the speedups.
+Model: Llama-3-8B-shaped layers (hidden 4096, FFN 14336, GQA 32/8 heads; 2
+layers quick, 4 full), stored in bf16 (`--dtype`; real checkpoints ship 16-bit)
+-- exact-mode bundles (up row + down column) are then 16 KiB, the size the disk
+probe shows random reads to be efficient at.
+cap = 50 % of the FFN bytes. Ours: attention/embeddings resident; resident
+gates (exact mode) + predictors + neuron cache = cap. The mmap baseline: the
+same resident attention/embeddings in the same dtype and kernels, every FFN
+matrix a view of the mmap'd checkpoint (same dtype), in a child whose cgroup-v1
+limit is its setup usage + 16 MiB slack + cap, page cache dropped first,
+default readahead; bytes read from /proc/self/io. Also: on-demand (same cache,
+no prefetch), all-resident sparse (cache holds every neuron) and all-resident
+dense (same kernels), a disk probe of the store files, and a clearly labelled
+scenario: the same engine fed a replayed active-set trace with a set overlap.
+Repeats are interleaved (the machine's load drifts); figures are medians.
+Random weights have little temporal locality: the measured overlap is reported
+next to the speedups.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import time
 NAME = "sparse"
 HELP = "sparse-FFN engine (delta prefetch) vs OS paging (mmap + cgroup cap), on-demand and all-resident"
 
+REPLAY_JACCARD = (0.5, 0.85)  # scenario only: the overlap trained models show is 0.82-0.85 (paper)
 PROMPT = "Once upon a time there was a small robot who lived in a quiet town by the sea."
 
 
@@ -28,26 +37,92 @@ def add_arguments(parser) -> None:
                         help="exact (default): gate resident, exact active set; predicted: low-rank predictor picks")
     parser.add_argument("--tokens", type=int, default=None, help="decode tokens per run")
     parser.add_argument("--repeats", type=int, default=None, help="runs per variant (median reported)")
+    parser.add_argument("--dtype", choices=("bf16", "f16", "f32"), default="bf16",
+                        help="weight dtype of the benchmark checkpoint, for ours and mmap alike (default bf16)")
+    parser.add_argument("--prefetch-top", type=float, default=0.25,
+                        help="read ahead only the most confident guesses: this share of the mean active count")
 
 
 def bench_recipe(quick: bool):
     from engine.models.demo import DemoRecipe
 
-    layers = 4 if quick else 8
+    layers = 2 if quick else 4
     return DemoRecipe(
-        f"sparse-bench-{layers}l", "LlamaConfig",
-        dict(initializer_range=0.1, max_position_embeddings=4096, tie_word_embeddings=False,
-             hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers, num_attention_heads=16,
-             num_key_value_heads=2, rms_norm_eps=1e-5),
-        seed=11, description="sparse bench: Llama, hidden 1024, FFN 4096 (random weights)", tokenizer_of="demo")
+        f"sparse-bench-h4096-{layers}l", "LlamaConfig",
+        dict(initializer_range=0.02, max_position_embeddings=4096, tie_word_embeddings=False,
+             hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+             num_key_value_heads=8, rms_norm_eps=1e-5),
+        seed=11, description="sparse bench: Llama-3-8B-shaped layers (hidden 4096, FFN 14336), random weights",
+        tokenizer_of="demo")
+
+
+def with_dtype(path, dtype: str, report):
+    """A copy of the model folder with the weights stored in `dtype` (bf16, f16; f32 = as built).
+    Real checkpoints ship 16-bit weights; both the engine and the mmap baseline then read 16-bit."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    if dtype == "f32":
+        return path
+    out = path.with_name(f"{path.name}-{dtype}")
+    if (out / "model.safetensors").exists():
+        return out
+    report(f"writing a {dtype} copy of the benchmark model (once)")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tdt = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
+    for f in path.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy2(f, tmp / f.name)
+    save_file({k: v.to(tdt).contiguous() for k, v in load_file(path / "model.safetensors").items()},
+              tmp / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg["dtype"] = cfg["torch_dtype"] = {"bf16": "bfloat16", "f16": "float16"}[dtype]
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+class OverlapTrace:
+    """A replayed activation trace with a chosen overlap (benchmark scenario only):
+    each decode token's set per layer has the true set's size, and shares with the
+    previous token's set the share that gives Jaccard J: |A & B| = 2J/(1+J) * k."""
+
+    def __init__(self, jaccard: float, neurons: int, seed: int = 0) -> None:
+        import numpy as np
+
+        self.j, self.neurons = jaccard, neurons
+        self.rng = np.random.default_rng(seed)
+        self.prev: dict[int, object] = {}
+
+    def __call__(self, layer: int, need):
+        import numpy as np
+
+        k = len(need)
+        prev = self.prev.get(layer)
+        if prev is None:
+            out = need
+        else:
+            m = min(len(prev), k, int(round(2 * self.j / (1 + self.j) * k)))
+            keep = self.rng.choice(prev, m, replace=False)
+            rest = np.setdiff1d(np.arange(self.neurons), prev, assume_unique=True)
+            out = np.sort(np.concatenate([keep, self.rng.choice(rest, k - m, replace=False)]))
+        self.prev[layer] = out
+        return out
 
 
 def _decode_run(backend, ids: list[int], n: int) -> dict:
     import numpy as np
 
     rt = backend.rt
-    rt.cache.clear()
-    io0, pf0 = rt.store.stats.snapshot(), rt.prefetcher.stats.snapshot()
+    rt.cache.clear()  # cold: every run starts with an empty neuron cache
     stream = backend.new_stream()
     logits = stream.prefill(ids)
     io1, pf1 = rt.store.stats.snapshot(), rt.prefetcher.stats.snapshot()
@@ -64,13 +139,18 @@ def _decode_run(backend, ids: list[int], n: int) -> dict:
     stream.close()
     total = sum(times)
     jn = max(rt.stats.jaccard_n, 1)
-    return {"tok_s": n / total, "bytes_per_token": (io2["bytes_read"] - io1["bytes_read"]) / n,
-            "io_share": (pf2["wait_s"] - pf1["wait_s"]) / total,
-            "hit_rate": 1 - (pf2["on_demand"] - pf1["on_demand"] + pf2["prefetch_used"] - pf1["prefetch_used"])
-            / max(1, pf2["needed"] - pf1["needed"]),
-            "on_demand_share": (pf2["on_demand"] - pf1["on_demand"]) / max(1, pf2["needed"] - pf1["needed"]),
-            "jaccard_runtime": float((rt.stats.jaccard_sum / jn).mean()), "tokens": out,
-            "prefill_bytes": io1["bytes_read"] - io0["bytes_read"]}
+    d = {k: pf2[k] - pf1[k] for k in pf2}
+    dio = {k: io2[k] - io1[k] for k in io2}
+    needed = max(1, d["needed"])
+    wait = d["wait_s"] + dio["submit_s"]  # waiting for completions + blocked in io_submit on a full queue
+    return {"tok_s": n / total, "bytes_per_token": dio["bytes_read"] / n, "reads_per_token": dio["reads"] / n,
+            "io_share": wait / total, "io_wait_ms": 1e3 * wait / n,
+            "verify_ms": 1e3 * dio["verify_s"] / n, "token_ms": 1e3 * total / n,
+            "hit_rate": 1 - (d["on_demand"] + d["prefetch_used"]) / needed,
+            "on_demand_share": d["on_demand"] / needed,
+            "prefetch_precision": d["prefetch_used"] / d["prefetched"] if d["prefetched"] else None,
+            "needed_per_token": d["needed"] / n,
+            "jaccard_runtime": float((rt.stats.jaccard_sum / jn).mean()), "tokens": out}
 
 
 def _dense_run(model, ids: list[int], n: int) -> dict:
@@ -88,8 +168,24 @@ def _dense_run(model, ids: list[int], n: int) -> dict:
     return {"tok_s": n / sum(times), "tokens": out}
 
 
-def _med(runs: list[dict], key: str) -> float:
-    return round(statistics.median(r[key] for r in runs), 4)
+def _med(runs: list[dict], key: str):
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return round(statistics.median(vals), 4) if vals else None
+
+
+def _disk(store_dir, bundle: int, report) -> dict:
+    from engine.sparse.diskprobe import best_gap, probe
+
+    report("probing the disk (O_DIRECT random reads at several sizes and queue depths)")
+    files = sorted(store_dir.glob("layer-*.bin"))
+    sizes = sorted({4096, bundle, 65536, 262144})
+    res = probe(files, sizes=sizes, depths=(1, 16, 64, 256), budget_s=0.08, rounds=3)
+    at = {(r["size"], r["depth"]): r for r in res["random"]}
+    res["bundle_bytes"] = bundle
+    res["bundle_read_mb_s_best_depth"] = max(r["mb_s"] for r in res["random"] if r["size"] == bundle)
+    res["bundle_read_mb_s_depth_1"] = at[(bundle, 1)]["mb_s"]
+    res["best_gap_bundles"] = best_gap(res, bundle)
+    return res
 
 
 def run(args, report) -> dict:
@@ -98,8 +194,9 @@ def run(args, report) -> dict:
 
     from engine.models.demo import ensure_recipe
     from engine.sparse.baseline import cgroups_available, run_mmap_baseline
-    from engine.sparse.calibrate import summary
+    from engine.sparse.calibrate import summary, work_dir
     from engine.sparse.engine import SparseBackend, SparseConfig
+    from engine.sparse.store import STORE_VERSION, StoreConfig
     from engine.sparse.weights import ffn_bytes, ffn_layout, load_dense_mmap
 
     torch.set_grad_enabled(False)
@@ -107,37 +204,49 @@ def run(args, report) -> dict:
     n = args.tokens or (12 if quick else 32)
     repeats = args.repeats or 3
     report("building the benchmark model (once)")
-    path = ensure_recipe(bench_recipe(quick), lambda m, f: report(m))
+    path = with_dtype(ensure_recipe(bench_recipe(quick), lambda m, f: report(m)), args.dtype, report)
     layout = ffn_layout(path)
-    ffn = ffn_bytes(layout)
+    itemsize = {"f32": 4, "f16": 2, "bf16": 2}[args.dtype]
+    ffn = ffn_bytes(layout, itemsize)
     cap = ffn // 2
     ids = AutoTokenizer.from_pretrained(path)(PROMPT)["input_ids"]
-    base = SparseConfig(mode=args.mode, sparsity=args.sparsity)
     report("opening the sparse engine (builds the bundle store and calibrates, once)")
-    probe = SparseBackend(path, SparseConfig(mode=args.mode, sparsity=args.sparsity, cache_budget_bytes=None),
-                          lambda m, f: report(m))
-    fixed = probe.fixed_bytes()
-    non_ffn = probe.resident_bytes
-    calib = summary(probe.calib)
-    min_budget = probe.min_budget
-    probe.close()
+    probe_be = SparseBackend(path, SparseConfig(mode=args.mode, sparsity=args.sparsity, cache_budget_bytes=None),
+                             lambda m, f: report(m))
+    fixed = probe_be.fixed_bytes()
+    non_ffn = probe_be.resident_bytes
+    calib = summary(probe_be.calib)
+    min_budget = probe_be.min_budget
+    bundle = probe_be.rt.store.stride
+    row_bytes = probe_be.rt.store.cache_slot_bytes
+    probe_be.close()
+    store_dir = work_dir(path) / f"store-{'exact' if args.mode == 'exact' else 'full'}-v{STORE_VERSION}"
+    disk = _disk(store_dir, bundle, report)
     budget = cap - fixed
     if budget < min_budget:
         raise SystemExit(f"cap {cap} leaves {budget} bytes for the cache, below the minimum {min_budget}")
+    store_cfg = StoreConfig(max_gap=min(disk["best_gap_bundles"], 8))
+    base = SparseConfig(mode=args.mode, sparsity=args.sparsity, store=store_cfg, prefetch_top=args.prefetch_top)
     ours = SparseBackend(path, SparseConfig(**{**base.__dict__, "cache_budget_bytes": budget}))
     ondemand = SparseBackend(path, SparseConfig(**{**base.__dict__, "cache_budget_bytes": budget, "prefetch": "none"}))
     runs: dict[str, list[dict]] = {"ours": [], "on_demand": [], "mmap": []}
     can_cgroup = cgroups_available()
-    for r in range(repeats):
+    for r in range(repeats):  # interleaved: the machine's load drifts, every variant sees the same drift
         report(f"repeat {r + 1}/{repeats}: ours")
         runs["ours"].append(_decode_run(ours, ids, n))
         report(f"repeat {r + 1}/{repeats}: on-demand")
         runs["on_demand"].append(_decode_run(ondemand, ids, n))
+        for j in REPLAY_JACCARD:  # labelled scenario: the same I/O path on a replayed trace with overlap j
+            report(f"repeat {r + 1}/{repeats}: scenario, replayed trace with Jaccard {j}")
+            ondemand.rt.trace = OverlapTrace(j, layout.neurons, seed=r)
+            runs.setdefault(f"replay_{j}", []).append(_decode_run(ondemand, ids, n))
+            ondemand.rt.trace = None
         if can_cgroup:
             report(f"repeat {r + 1}/{repeats}: dense through mmap under a cgroup cap")
-            m = run_mmap_baseline(path, ids, n, non_ffn + cap)
+            m = run_mmap_baseline(path, ids, n, cap)
             m["tok_s"] = n / sum(m["decode_s"])
             m["bytes_per_token"] = m["decode_read_bytes"] / n
+            m["read_mb_s"] = m["decode_read_bytes"] / sum(m["decode_s"]) / 1e6
             runs["mmap"].append(m)
     ours.close()
     ondemand.close()
@@ -145,36 +254,85 @@ def run(args, report) -> dict:
     allres = SparseBackend(path, SparseConfig(**{**base.__dict__, "cache_budget_bytes": 2 * ffn, "warm": True}))
     res_sparse = [_decode_run_warm(allres, ids, n) for _ in range(repeats)]
     allres.close()
-    dense = __import__("engine.sparse.calibrate", fromlist=["x"]).load_dense(path)
+    dense = load_dense_mmap(path, resident=True)
     res_dense = [_dense_run(dense, ids, n) for _ in range(repeats)]
     del dense
+    med = {k: {f: _med(v, f) for f in ("tok_s", "bytes_per_token")} for k, v in runs.items() if v}
+    o = {f: _med(runs["ours"], f) for f in ("token_ms", "io_wait_ms", "verify_ms", "reads_per_token",
+                                             "needed_per_token", "prefetch_precision")}
+    floor_ms = 1e3 / _med(res_sparse, "tok_s")
+    mm = runs["mmap"]
     out = {
         "model": {"path": str(path), "layers": layout.num_layers, "hidden": layout.hidden,
-                  "neurons": layout.neurons, "ffn_bytes": ffn, "non_ffn_bytes": non_ffn},
+                  "neurons": layout.neurons, "dtype": args.dtype, "ffn_bytes": ffn,
+                  "non_ffn_resident_bytes": non_ffn},
         "cap_bytes": cap, "cache_budget_bytes": budget, "fixed_ffn_side_bytes": fixed,
-        "mode": args.mode, "sparsity": args.sparsity, "decode_tokens": n, "repeats": repeats,
-        "tok_s": {"ours": _med(runs["ours"], "tok_s"), "on_demand": _med(runs["on_demand"], "tok_s"),
-                  "mmap": _med(runs["mmap"], "tok_s") if runs["mmap"] else None,
+        "bundle_bytes_on_disk": bundle, "bundle_bytes_in_ram": row_bytes, "max_gap_bundles": store_cfg.max_gap,
+        "mode": args.mode, "sparsity": args.sparsity, "prefetch_top": args.prefetch_top,
+        "decode_tokens": n, "repeats": repeats,
+        "tok_s": {"ours": med["ours"]["tok_s"], "on_demand": med["on_demand"]["tok_s"],
+                  "mmap": med["mmap"]["tok_s"] if mm else None,
                   "all_resident_sparse": _med(res_sparse, "tok_s"), "all_resident_dense": _med(res_dense, "tok_s")},
-        "bytes_read_per_token": {"ours": _med(runs["ours"], "bytes_per_token"),
-                                 "on_demand": _med(runs["on_demand"], "bytes_per_token"),
-                                 "mmap": _med(runs["mmap"], "bytes_per_token") if runs["mmap"] else None},
+        "bytes_read_per_token": {"ours": med["ours"]["bytes_per_token"],
+                                 "on_demand": med["on_demand"]["bytes_per_token"],
+                                 "mmap": med["mmap"]["bytes_per_token"] if mm else None},
+        "reads_per_token_ours": o["reads_per_token"],
+        "mmap_read_mb_s": _med(mm, "read_mb_s") if mm else None,
         "io_share_of_latency": {"ours": _med(runs["ours"], "io_share"),
                                 "on_demand": _med(runs["on_demand"], "io_share")},
+        "time_per_token_ms_ours": {"total": o["token_ms"], "io_wait": o["io_wait_ms"], "crc_verify": o["verify_ms"],
+                                   "all_resident_sparse_floor": round(floor_ms, 2),
+                                   "other_compute_and_python": round(o["token_ms"] - o["io_wait_ms"]
+                                                                     - o["verify_ms"], 2)},
         "cache_hit_rate": {"ours": _med(runs["ours"], "hit_rate"), "on_demand": _med(runs["on_demand"], "hit_rate")},
         "on_demand_share_ours": _med(runs["ours"], "on_demand_share"),
+        "prefetch_precision_runtime": o["prefetch_precision"],
+        "active_neurons_per_token": o["needed_per_token"],
         "predictor": {k: calib[k] for k in ("own_recall", "own_precision", "ahead_recall", "ahead_precision",
                                             "temporal_recall", "temporal_precision")},
         "overlap_jaccard": {"calibration_text_mean": calib["jaccard_mean"],
                             "per_layer": calib["jaccard_per_layer"],
-                            "decode_runtime_mean": _med(runs["ours"], "jaccard_runtime")},
+                            "decode_runtime_mean": _med(runs["ours"], "jaccard_runtime"),
+                            "independent_sets_same_density": round((1 - args.sparsity) / (1 + args.sparsity), 4),
+                            "paper_trained_models": "0.82-0.85"},
+        "disk": disk,
         "same_tokens_ours_vs_on_demand": runs["ours"][0]["tokens"] == runs["on_demand"][0]["tokens"],
-        "mmap_cgroup": ({k: runs["mmap"][0][k] for k in ("cgroup_limit_bytes", "setup_usage_bytes",
-                                                          "max_usage_bytes")} if runs["mmap"] else
-                        "cgroup v1 memory controller not writable: baseline skipped"),
-        "note": "random weights: little temporal locality (see overlap_jaccard; the paper's real models "
-                "show 0.82-0.85)",
+        "mmap_cgroup": ({k: mm[0][k] for k in ("cgroup_limit_bytes", "setup_usage_bytes", "max_usage_bytes")}
+                        if mm else "cgroup v1 memory controller not writable: baseline skipped"),
+        "note": ("random weights have little temporal locality: consecutive tokens' active sets overlap with "
+                 f"Jaccard {calib['jaccard_mean']} (independent sets of the same density: "
+                 f"{round((1 - args.sparsity) / (1 + args.sparsity), 4)}; the paper's trained models: 0.82-0.85), "
+                 "so the neuron cache and the predictors help little here; the speedup comes from reading "
+                 "only active neurons in big batched O_DIRECT reads"),
     }
+    out["scenario_replayed_trace"] = {
+        "label": ("SCENARIO, not the model's own activations: the same engine, cache budget and I/O path "
+                  "(no prefetch, on-demand reads of the delta) fed a replayed active-set trace whose "
+                  "consecutive-token overlap is set to Jaccard J (set sizes = the true ones). Tokens are not "
+                  "the model's. Shows what the measured I/O path gives at the locality trained models have; "
+                  "speedup_vs_mmap above is the real end-to-end measurement."),
+        "runs": {str(j): {"jaccard_measured": _med(runs[f"replay_{j}"], "jaccard_runtime"),
+                          "tok_s": _med(runs[f"replay_{j}"], "tok_s"),
+                          "bytes_read_per_token": _med(runs[f"replay_{j}"], "bytes_per_token"),
+                          "io_wait_ms": _med(runs[f"replay_{j}"], "io_wait_ms"),
+                          "speedup_vs_mmap": (round(_med(runs[f"replay_{j}"], "tok_s") / out["tok_s"]["mmap"], 2)
+                                              if mm else None)}
+                 for j in REPLAY_JACCARD}}
+    if mm:  # what bounds the speedup on this machine, from the measurements above
+        bw = max(r["mb_s"] for r in disk["random"] if r["size"] == bundle)  # best queue depth
+        io_lb = out["bytes_read_per_token"]["ours"] / bw / 1e3  # ms: our bytes at the disk's best bundle rate
+        mmap_ms = 1e3 / out["tok_s"]["mmap"]
+        out["bound"] = {
+            "mmap_ms_per_token": round(mmap_ms, 1),
+            "ours_ms_per_token": round(1e3 / out["tok_s"]["ours"], 1),
+            "ours_io_lower_bound_ms": round(io_lb, 1),
+            "ours_compute_floor_ms": round(floor_ms, 1),
+            "max_speedup_if_io_fully_hidden": round(mmap_ms / max(io_lb, floor_ms), 2),
+            "max_speedup_if_io_not_hidden": round(mmap_ms / (io_lb + floor_ms), 2),
+            "explain": ("ours cannot beat max(its I/O at the disk's best random-read rate for its bundle size, "
+                        "its all-resident compute); mmap streams the dense FFN nearly sequentially "
+                        "(readahead) and pays its dense compute"),
+        }
     t = out["tok_s"]
     out["speedup_vs_mmap"] = round(t["ours"] / t["mmap"], 2) if t["mmap"] else None
     out["speedup_vs_on_demand"] = round(t["ours"] / t["on_demand"], 2)

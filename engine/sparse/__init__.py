@@ -5,8 +5,10 @@ overlapped with compute. Attention and embeddings stay resident.
 
 Files, one concept each:
     weights.py    which tensors are FFN neurons; a model skeleton; mmap'd safetensors
-    store.py      the neuron-bundle store (build, checksums, O_DIRECT coalesced reads)
-    cache.py      the RAM neuron cache (byte budget, LRU, resize while running)
+    store.py      the neuron-bundle store (build, checksums, O_DIRECT coalesced reads into cache slots)
+    aio.py        batched O_DIRECT reads through Linux native AIO (one io_submit per batch)
+    diskprobe.py  fio-like probe: random-read throughput by size and queue depth; the gap rule
+    cache.py      the RAM neuron cache (byte budget, LRU, slots reads land in, resize while running)
     predictor.py  low-rank (Deja Vu) and previous-token predictors, recall/precision
     calibrate.py  thresholds (CATS) and predictors from sample text; saved per model
     prefetch.py   delta prefetch on a thread pool, on-demand fetch of the misses

@@ -3,11 +3,16 @@
 
 The child process is placed in a fresh cgroup-v1 memory group before it
 imports anything, so all its memory (anonymous and page cache) is charged
-there. It builds the mmap-backed model, drops the weights from the page cache
-(posix_fadvise DONTNEED: a cold start), reports its own usage, and waits; the
-parent sets the limit to that usage + the allowed weight bytes and lets it
-run. Under the limit the kernel evicts weight pages and faults them in again
-on every token that needs them.
+there. It builds the model the way the sparse engine does -- attention, norms
+and embeddings resident, in the same dtypes and kernels -- but with every FFN
+matrix a view of the mmap'd checkpoint (same dtype as the engine's bundles:
+a bf16 checkpoint is read as bf16 by both), drops the file from the page
+cache (posix_fadvise DONTNEED: a cold start), reports its own usage, and
+waits; the parent sets the limit to that usage + slack + the FFN byte cap
+(the same bytes the engine gets for gates, predictors and neuron cache) and
+lets it run with the kernel's default readahead. Under the limit the kernel
+evicts weight pages and faults them in again on every token that needs them.
+Bytes read come from /proc/self/io (read_bytes: what reached the disk).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ def drop_page_cache(files) -> None:
 
 def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_cap_bytes: int,
                       slack_bytes: int = 16 * 2**20, timeout: float = 900) -> dict:
-    """Run the child under a cap of (its setup usage + slack + weight_cap_bytes); returns its figures."""
+    """Run the child under a cap of (its setup usage + slack + weight_cap_bytes); returns its figures.
+    weight_cap_bytes is the page cache the FFN weights may use (the engine's cap)."""
     group = CGROOT / f"flotilla-sparse-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     group.mkdir()
     try:

@@ -9,8 +9,13 @@ RSS, only when filled); shrinking compacts the kept rows to the front and
 gives the tail back to the OS with madvise(DONTNEED), so RSS follows the
 budget at once and never needs a second copy of the cache.
 
+Bundles can be read from disk straight into their slots (reserve() hands
+out slots, O_DIRECT reads land in them, no copy): then a slot is `slot_bytes`
+long (the store's 4 KiB-aligned stride) and the slab is page aligned. A slot
+with a read in flight is pinned: never evicted, moved or handed out again.
+
 Not thread safe on purpose: only the compute thread touches it (prefetched
-rows are inserted when the layer that needs them is about to run).
+rows are landed when the layer that needs them is about to run).
 """
 
 from __future__ import annotations
@@ -28,13 +33,20 @@ class BudgetError(ValueError):
 
 class NeuronCache:
     def __init__(self, num_layers: int, neurons: int, row_shape: tuple[int, int],
-                 budget_bytes: int, min_bytes: int) -> None:
+                 budget_bytes: int, min_bytes: int, dtype=np.float32, slot_bytes: int | None = None) -> None:
         self.num_layers, self.neurons, self.row_shape = num_layers, neurons, row_shape
-        self.row_bytes = int(np.prod(row_shape)) * 4  # one bundle in RAM (no padding)
+        self.dtype = np.dtype(dtype)  # the store's: 16-bit stores keep 16-bit rows (twice the neurons)
+        self.payload = int(np.prod(row_shape)) * self.dtype.itemsize  # one bundle's bytes
+        self.row_bytes = int(slot_bytes or self.payload)  # RAM per cached bundle (a slot)
         self.min_bytes = int(min_bytes)
         self.max_rows = num_layers * neurons  # more than this is never useful
-        self._mm = mmap.mmap(-1, self.max_rows * self.row_bytes)  # virtual reservation only
-        self._all = np.frombuffer(self._mm, dtype=np.float32).reshape((self.max_rows,) + row_shape)
+        # private anonymous: virtual reservation only, and madvise(DONTNEED) really frees pages
+        # (on a MAP_SHARED mapping -- mmap's default -- it only unmaps them: RSS drops, memory stays used)
+        self._mm = mmap.mmap(-1, self.max_rows * self.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._slab = np.frombuffer(self._mm, dtype=np.uint8).reshape(self.max_rows, self.row_bytes)
+        self.base = self._slab.ctypes.data  # page aligned (mmap)
+        self._all = self._slab[:, :self.payload].view(self.dtype).reshape((self.max_rows,) + row_shape)
+        self.pinned = np.zeros(self.max_rows, dtype=bool)  # slot -> a read is landing in it
         self.slot_of = np.full((num_layers, neurons), -1, dtype=np.int32)  # [L, N] -> slot or -1
         self.key_of = np.full(self.max_rows, -1, dtype=np.int64)  # slot -> layer * N + neuron, or -1
         self.stamp = np.zeros(self.max_rows, dtype=np.int64)  # slot -> last tick used (LRU)
@@ -121,7 +133,8 @@ class NeuronCache:
         want = int(new.sum())
         if want == 0 or self.capacity == 0:
             return slots
-        cand = np.nonzero(self.stamp[:self.capacity] < self.tick)[0]  # never evict what this step uses
+        cand = np.nonzero((self.stamp[:self.capacity] < self.tick) & ~self.pinned[:self.capacity])[0]
+        # (never evict what this step uses, nor a slot a read is landing in)
         if len(cand) > want:
             # free slots have key -1 and an old stamp; prefer them, then the LRU ones
             pri = np.where(self.key_of[cand] < 0, -1, self.stamp[cand])
@@ -138,12 +151,63 @@ class NeuronCache:
         slots[idx] = take
         return slots
 
+    def reserve(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Slots for the non-resident `ids` (sorted, unique), registered and pinned now,
+        to be filled by a read into addr(slots); -1 where no slot was free. Call
+        land() when the read completed, or drop() if it failed."""
+        ids = np.asarray(ids, dtype=np.int64)
+        want = len(ids)
+        slots = np.full(want, -1, dtype=np.int64)
+        if want == 0 or self.capacity == 0:
+            return slots
+        cand = np.nonzero((self.stamp[:self.capacity] < self.tick) & ~self.pinned[:self.capacity])[0]
+        if len(cand) > want:
+            pri = np.where(self.key_of[cand] < 0, -1, self.stamp[cand])
+            cand = cand[np.argpartition(pri, want - 1)[:want]]
+        take = np.sort(cand[:want])
+        victims = take[self.key_of[take] >= 0]
+        if len(victims):
+            self._forget(victims)
+        k = len(take)
+        self.key_of[take], self.stamp[take] = layer * self.neurons + ids[:k], self.tick
+        self.slot_of[layer, ids[:k]] = take
+        self.pinned[take] = True
+        slots[:k] = take
+        return slots
+
+    def addr(self, slots: np.ndarray) -> np.ndarray:
+        return np.uint64(self.base) + slots.astype(np.uint64) * np.uint64(self.row_bytes)
+
+    def payload_views(self, slots: np.ndarray) -> "SlotBytes":
+        return SlotBytes(self._slab, slots, self.payload)
+
+    def land(self, slots: np.ndarray) -> None:
+        self.pinned[slots] = False
+
+    def drop(self, slots: np.ndarray) -> None:
+        """A read into these slots failed: they hold nothing valid."""
+        self.pinned[slots] = False
+        self._forget(slots[self.key_of[slots] >= 0])
+
     def clear(self) -> None:
         self._forget(np.nonzero(self.key_of[:self.capacity] >= 0)[0])
 
     def close(self) -> None:
-        self._all = None
+        self._all = self._slab = None
         try:
             self._mm.close()
         except BufferError:  # a view still lives somewhere; the GC frees it later
             pass
+
+
+class SlotBytes:
+    """The payload bytes of some slots, one view per slot (no copies)."""
+
+    def __init__(self, slab: np.ndarray, slots: np.ndarray, payload: int) -> None:
+        self.slab, self.slots, self.payload = slab, slots, payload
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, j: int) -> np.ndarray:
+        return self.slab[self.slots[j], :self.payload]

@@ -46,10 +46,12 @@ class SparseConfig:
     store: StoreConfig = field(default_factory=StoreConfig)  # I/O settings
     memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # free-RAM adaptation
     warm: bool = False  # fill the cache with every neuron it can hold at start (all-resident runs)
+    prefetch_top: float = 0.25  # read ahead only the most confident guesses (share of the mean active count)
 
     @classmethod
     def from_options(cls, budget: int | None, extra: dict[str, Any]) -> "SparseConfig":
-        known = {k: v for k, v in extra.items() if k in ("mode", "sparsity", "prefetch", "rank", "text", "warm")}
+        known = {k: v for k, v in extra.items() if k in ("mode", "sparsity", "prefetch", "rank", "text", "warm",
+                                                             "prefetch_top")}
         unknown = set(extra) - set(known)
         if unknown:
             raise EngineError(f"unknown sparse engine option(s): {', '.join(sorted(unknown))}")
@@ -64,7 +66,9 @@ class SparseBackend:
         self.model_dir, self.device, self.cfg = Path(model_dir), "CPU", cfg
         self.layout = layout = ffn_layout(model_dir)
         store_kind = "exact" if cfg.mode == "exact" else "full"
-        store_dir = work_dir(model_dir) / f"store-{store_kind}"
+        from engine.sparse.store import STORE_VERSION
+
+        store_dir = work_dir(model_dir) / f"store-{store_kind}-v{STORE_VERSION}"
         weights = MappedWeights(model_dir)
         if not (store_dir / "meta.json").exists():
             build_store(weights, layout, store_dir, store_kind, report)
@@ -75,10 +79,11 @@ class SparseBackend:
         self.model = build_skeleton(model_dir)
         self.resident_bytes = put_weights(self.model, weights, layout, resident=True, with_ffn=False)
         gates = None
-        if cfg.mode == "exact":
+        if cfg.mode == "exact":  # resident in the checkpoint's dtype; the own predictors are not used
             gates = [weights.torch(layout.key(l, "gate")).clone() for l in range(layout.num_layers)]
+            self.calib.own = [None] * layout.num_layers
         del weights  # the mmap of the checkpoint is not needed any more
-        row_bytes = store.bundle_floats * 4
+        row_bytes = store.cache_slot_bytes
         per_layer = self.calib.max_active if cfg.mode == "exact" else [
             max(a, p) for a, p in zip(self.calib.max_active, self.calib.max_predicted)]
         self.min_budget = max(per_layer) * row_bytes  # one layer's (largest) active set
@@ -92,7 +97,8 @@ class SparseBackend:
                               f"set; the minimum for this model and mode is {self.min_budget / 2**20:.1f} MiB "
                               f"({self.min_budget} bytes)")
         self.rt = SparseRuntime(layout, store, self.calib, budget, self.min_budget,
-                                SparseRuntimeConfig(cfg.mode, cfg.prefetch, cfg.memory), gates)
+                                SparseRuntimeConfig(cfg.mode, cfg.prefetch, cfg.prefetch_top, cfg.memory), gates)
+        self.gates_bytes = sum(g.numel() * g.element_size() for g in gates) if gates else 0
         for l in range(layout.num_layers):
             self.model.get_submodule(f"{layout.prefix}.{l}").mlp = SparseMLP(self.rt, l)
         if cfg.warm:
@@ -115,14 +121,32 @@ class SparseBackend:
 
     def fixed_bytes(self) -> int:
         """FFN-side RAM besides the cache: predictors, and the gates in exact mode."""
-        gates = self.layout.num_layers * self.layout.neurons * self.layout.hidden * 4 if self.cfg.mode == "exact" else 0
-        return self.calib.predictor_bytes() + gates
+        return self.calib.predictor_bytes() + self.gates_bytes
 
     def close(self) -> None:
         if self.rt is not None:
             self.rt.close()
         self.rt = None
         self.model = None
+
+
+class _NoSpeculation:
+    """LocalEngine's speculation hooks, all off (a request always takes the plain step)."""
+
+    def new_stream(self, request):
+        return None
+
+    def open(self, request, gen):
+        return None
+
+    def session(self, gen):
+        return None
+
+    def end(self, gen) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class SparseEngine(LocalEngine):
@@ -145,6 +169,7 @@ class SparseEngine(LocalEngine):
         self.eos_ids = eos_token_ids(Path(model_path), self.tokenizer)
         self.max_concurrent = max_concurrent
         self.prefill_chunk = prefill_chunk
+        self.spec = _NoSpeculation()  # LocalEngine's scheduler hooks; the sparse engine does not speculate
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled: set[str] = set()
         self._stop = threading.Event()

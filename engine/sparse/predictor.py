@@ -57,7 +57,11 @@ def train_predictor(x: torch.Tensor, gate_w: torch.Tensor, active: torch.Tensor,
     r = min(cfg.rank, h, N)
     p = LowRankPredictor(h, N, r)
     with torch.no_grad():  # SVD init: logits ~ gate pre-activation minus a threshold
-        U, S, Vh = torch.linalg.svd(gate_w.float(), full_matrices=False)  # [N, k], [k], [k, h]
+        if min(N, h) > 1024:  # big layers: a randomized rank-r SVD (seconds, not minutes)
+            U, S, V = torch.svd_lowrank(gate_w.float(), q=min(r + 16, min(N, h)), niter=2)
+            Vh = V.T
+        else:
+            U, S, Vh = torch.linalg.svd(gate_w.float(), full_matrices=False)  # [N, k], [k], [k, h]
         p.A.copy_(Vh[:r].T * S[:r].sqrt())  # [h, r]
         p.B.copy_((U[:, :r] * S[:r].sqrt()).T)  # [r, N]
         p.c.fill_(-float(tau))

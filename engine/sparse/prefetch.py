@@ -3,11 +3,16 @@ read what was mispredicted on demand, so every computed neuron is exact.
 
     issue(l + 1, predicted ids)   at layer l, as soon as its input is known:
                                   async reads of the non-resident ones
-    rows(l, needed ids)           at layer l: resident rows + the prefetched
-                                  ones + an on-demand read of the rest
+    plan(l, needed ids)           at layer l, as soon as its exact set is known:
+                                  looks up the cache, submits one batched
+                                  on-demand read of needed - resident -
+                                  in-flight, and returns the rows chunk by
+                                  chunk: resident first (computed while the
+                                  reads are in flight), then the prefetched
+                                  ones, then the on-demand ones
 
-The compute thread waits only for what is still missing when a layer runs;
-that wait is the I/O share of the token latency.
+The compute thread waits only for what is still missing when it has
+computed everything else; that wait is the I/O share of the token latency.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from engine.sparse.cache import NeuronCache
-from engine.sparse.store import BundleStore, PendingRead
+from engine.sparse.store import BundleStore
 
 SOURCES = ("lowrank", "temporal", "both", "none")
 
@@ -35,10 +40,25 @@ class PrefetchStats:
         return asdict(self)
 
 
+class Slots(np.ndarray):
+    """A chunk given as cache slots (not copied rows): the compute reads the cache in place."""
+
+
+def as_slots(slots: np.ndarray) -> Slots:
+    return np.asarray(slots, dtype=np.int64).view(Slots)
+
+
 class Prefetcher:
+    """Two ways to land bundles. Direct (the cache's slots are the store's
+    4 KiB-aligned stride): reads go straight into reserved cache slots, no
+    copy. Buffered (tiny bundles, where padding each slot to 4 KiB would waste
+    RAM): reads go to a batch buffer and are copied into the cache."""
+
     def __init__(self, store: BundleStore, cache: NeuronCache) -> None:
         self.store, self.cache = store, cache
-        self.pending: dict[int, PendingRead] = {}  # layer -> reads in flight for it
+        self.direct = cache.row_bytes == store.stride
+        self.in_place = False  # yield resident chunks as Slots (the runtime sets it when it can compute in place)
+        self.pending: dict[int, object] = {}  # layer -> reads in flight for it (PendingRead / (DirectRead, slots))
         self.stats = PrefetchStats()
 
     def issue(self, layer: int, ids: np.ndarray) -> None:
@@ -46,48 +66,131 @@ class Prefetcher:
         if layer in self.pending or len(ids) == 0:
             return
         miss = self.cache.missing(layer, ids)
-        if len(miss):
+        if not len(miss):
+            return
+        if self.direct:
+            slots = self.cache.reserve(layer, miss)
+            ok = slots >= 0
+            miss, slots = miss[ok], slots[ok]
+            if not len(miss):
+                return
+            self.pending[layer] = (self.store.read_into(layer, miss, self.cache.addr(slots),
+                                                        self.cache.payload_views(slots)), slots)
+        else:
             self.pending[layer] = self.store.read_async(layer, miss)
-            self.stats.prefetched += len(miss)
+        self.stats.prefetched += len(miss)
 
-    def rows(self, layer: int, need: np.ndarray) -> np.ndarray:
-        """Rows [k, P, h] of the sorted ids `need`, from wherever they are."""
+    def _land(self, layer: int) -> np.ndarray | None:
+        """Direct mode: wait for the prefetch of `layer`; returns its ids."""
+        pend = self.pending.pop(layer, None)
+        if pend is None:
+            return None
+        rd, slots = pend
+        t0 = time.perf_counter()
+        try:
+            rd.wait()
+        except BaseException:
+            self.cache.drop(slots)
+            raise
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+        self.cache.land(slots)
+        return rd.ids
+
+    def plan(self, layer: int, need: np.ndarray):
+        """Chunks (positions in `need`, rows [k, P, h]) covering the sorted ids `need`.
+        The on-demand read is submitted before this returns; iterate the result
+        to the end (it also lands the reads in the cache)."""
+        if not self.direct:
+            return self._plan_buffered(layer, need)
+        cache = self.cache
+        pre = self._land(layer)  # prefetched rows: resident from here on
+        slots = cache.lookup(layer, need)  # stamps the resident ones: not evictable now
+        have = slots >= 0
+        if pre is not None:
+            self.stats.prefetch_used += int(np.isin(need, pre, assume_unique=True).sum())
+        miss_pos = np.nonzero(~have)[0]
+        got = cache.reserve(layer, need[miss_pos])
+        ok = got >= 0
+        rd = None
+        if ok.any():
+            rd = self.store.read_into(layer, need[miss_pos[ok]], cache.addr(got[ok]), cache.payload_views(got[ok]))
+        spill = miss_pos[~ok]  # no free slot (an active set larger than calibrated): read, use, don't keep
+        sp = self.store.read_async(layer, need[spill]) if len(spill) else None
+        self.stats.needed += len(need)
+        self.stats.on_demand += len(miss_pos)
+        return self._chunks_direct(slots, have, miss_pos[ok], got[ok], rd, spill, sp)
+
+    def _chunks_direct(self, slots, have, pos, got, rd, spill, sp):
+        cache = self.cache
+        view = as_slots if self.in_place else cache.rows
+        if have.any():
+            yield np.nonzero(have)[0], view(slots[have])  # computed while the reads are in flight
+        if rd is not None:
+            t0 = time.perf_counter()
+            try:
+                rd.wait()
+            except BaseException:
+                cache.drop(got)
+                raise
+            finally:
+                self.stats.wait_s += time.perf_counter() - t0
+            cache.land(got)
+            yield pos, view(got)
+        if sp is not None:
+            t0 = time.perf_counter()
+            _, rows = sp.result()
+            self.stats.wait_s += time.perf_counter() - t0
+            yield spill, rows
+
+    def _plan_buffered(self, layer: int, need: np.ndarray):
         cache = self.cache
         slots = cache.lookup(layer, need)  # stamps the resident ones: not evictable now
         miss = slots < 0
-        if miss.any() and layer in self.pending:
-            t0 = time.perf_counter()
-            ids, got = self.pending.pop(layer).result()
-            self.stats.wait_s += time.perf_counter() - t0
-            cache.insert(layer, ids, got)
-            again = cache.slot_of[layer, need[miss]]
-            used = again >= 0
-            self.stats.prefetch_used += int(used.sum())
-            cache.stamp[again[used]] = cache.tick
-            slots[np.nonzero(miss)[0][used]] = again[used]
-            miss = slots < 0
-        elif layer in self.pending:  # everything was resident: land the reads anyway
-            ids, got = self.pending.pop(layer).result()
-            cache.insert(layer, ids, got)
+        pend = self.pending.pop(layer, None)
+        covered = np.zeros(len(need), dtype=bool)
+        if pend is not None and miss.any():
+            covered[miss] = np.isin(need[miss], pend.ids, assume_unique=True)
+        rest = miss & ~covered
+        od = self.store.read_async(layer, need[rest]) if rest.any() else None
         self.stats.needed += len(need)
-        out = np.empty((len(need),) + cache.row_shape, dtype=np.float32)  # [k, P, h]
-        have = ~miss
-        out[have] = cache.rows(slots[have])
-        if miss.any():
-            ids = need[miss]
+        self.stats.on_demand += int(rest.sum())
+        self.stats.prefetch_used += int(covered.sum())
+        return self._chunks_buffered(layer, need, slots, ~miss, pend, covered, od, rest)
+
+    def _chunks_buffered(self, layer, need, slots, have, pend, covered, od, rest):
+        cache = self.cache
+        if have.any():
+            yield np.nonzero(have)[0], cache.rows(slots[have])
+        if pend is not None:
             t0 = time.perf_counter()
-            got = self.store.read(layer, ids)
+            ids, got = pend.result()
             self.stats.wait_s += time.perf_counter() - t0
-            self.stats.on_demand += len(ids)
-            out[miss] = got
+            if covered.any():
+                yield np.nonzero(covered)[0], got[np.searchsorted(ids, need[covered])]
+            cache.insert(layer, ids, got)  # the unneeded ones too: the LRU decides
+        if od is not None:
+            t0 = time.perf_counter()
+            ids, got = od.result()
+            self.stats.wait_s += time.perf_counter() - t0
+            yield np.nonzero(rest)[0], got
             cache.insert(layer, ids, got)
+
+    def rows(self, layer: int, need: np.ndarray) -> np.ndarray:
+        """All rows [k, P, h] of the sorted ids `need` in one array (a copy)."""
+        out = np.empty((len(need),) + self.cache.row_shape, dtype=self.cache.dtype)
+        for pos, rows in self.plan(layer, need):
+            out[pos] = self.cache.rows(rows) if isinstance(rows, Slots) else rows
         return out
 
     def drain(self) -> None:
-        """Wait for reads in flight and drop them (before a resize or at close)."""
-        for p in self.pending.values():
+        """Wait for reads in flight and land or drop them (before a resize or at close)."""
+        for layer in list(self.pending):
             try:
-                p.result()
+                if self.direct:
+                    self._land(layer)
+                else:
+                    self.pending.pop(layer).result()
             except Exception:
                 pass
         self.pending.clear()

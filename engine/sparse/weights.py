@@ -27,7 +27,7 @@ from engine.models.errors import ModelError
 
 RELU_FAMILY = ("relu", "relu2", "relu6")  # activations with natural zeros
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": None, "F64": np.float64}
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}  # BF16: raw words
 
 
 @dataclass(frozen=True)
@@ -123,20 +123,30 @@ class MappedWeights:
     def names(self) -> list[str]:
         return list(self._where)
 
-    def numpy(self, name: str) -> np.ndarray:
+    def dtype_of(self, name: str) -> str:
+        return self._where[name][2]
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor as stored (BF16 as uint16 words), a view of the mmap."""
         i, off, dt, shape = self._where[name]
         if _ST_DTYPES.get(dt) is None:
-            raise ModelError(f"tensor {name} has dtype {dt}; the sparse engine reads F32/F16 weights")
+            raise ModelError(f"tensor {name} has dtype {dt}; the sparse engine reads F32/F16/BF16 weights")
         dtype = np.dtype(_ST_DTYPES[dt])
         count = int(np.prod(shape)) if shape else 1
         return np.frombuffer(self._maps[i], dtype=dtype, count=count, offset=off).reshape(shape)
+
+    def numpy(self, name: str) -> np.ndarray:
+        if self.dtype_of(name) == "BF16":
+            raise ModelError(f"tensor {name} is BF16, which numpy cannot hold; use .torch()")
+        return self.raw(name)
 
     def torch(self, name: str):
         import torch
 
         with warnings.catch_warnings():  # read-only buffer: we never write into it
             warnings.simplefilter("ignore")
-            return torch.from_numpy(self.numpy(name))
+            t = torch.from_numpy(self.raw(name))
+        return t.view(torch.bfloat16) if self.dtype_of(name) == "BF16" else t
 
 
 # --------------------------------------------------------------------------- skeleton
@@ -157,15 +167,22 @@ def build_skeleton(model_dir: Path):
 
 
 def put_weights(model, weights: MappedWeights, layout: FFNLayout, resident: bool, with_ffn: bool) -> int:
-    """Put the file's weights into the skeleton. resident=True copies them into
-    RAM; False leaves them mmap-backed. FFN matrices only when with_ffn.
-    Returns the bytes of the non-FFN weights."""
+    """Put the file's weights into the skeleton. Non-FFN weights (attention,
+    norms, embeddings) are always resident copies; FFN matrices (only when
+    with_ffn) are copies when `resident`, else views of the mmap (the OS-paging
+    baseline). 16-bit Linear weights stay in their dtype and compute with
+    mixed_linear (as llama.cpp does, and as the sparse engine's FFN does);
+    16-bit norms and embeddings become f32. Returns the RAM bytes of the
+    non-FFN weights."""
+    import types
+
     import torch
 
     non_ffn = 0
     names = set(weights.names())
     for name, _ in list(model.named_parameters()):
-        if layout.is_ffn_key(name) and not with_ffn:
+        ffn = layout.is_ffn_key(name)
+        if ffn and not with_ffn:
             continue
         src = name
         if src not in names and name == "lm_head.weight":
@@ -173,21 +190,71 @@ def put_weights(model, weights: MappedWeights, layout: FFNLayout, resident: bool
         if src not in names:
             raise ModelError(f"the weights have no tensor {name}")
         t = weights.torch(src)
-        if t.dtype != torch.float32:
-            t = t.float()  # f16 checkpoints run in f32 (a copy: resident)
-        elif resident:
-            t = t.clone()
         mod_name, _, pname = name.rpartition(".")
         mod = model.get_submodule(mod_name)
+        sixteen = t.dtype in (torch.float16, torch.bfloat16)
+        linear = isinstance(mod, torch.nn.Linear) and pname == "weight"
+        if ffn:
+            t = t.clone() if resident else t
+        elif sixteen and linear:
+            t = t.clone()
+            mod.forward = types.MethodType(_mixed_forward, mod)
+        else:
+            t = t.float() if t.dtype != torch.float32 else t.clone()
         mod._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
-        if not layout.is_ffn_key(name):
-            non_ffn += t.numel() * 4
+        if not ffn:
+            non_ffn += t.numel() * t.element_size()
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         model.lm_head.weight = model.get_input_embeddings().weight  # replacing embeddings broke the tie
+        model.lm_head.forward = types.MethodType(_mixed_forward, model.lm_head)
     if with_ffn:  # the skeleton's FFN Linear modules now hold full-size weights
         for i in range(layout.num_layers):
-            model.get_submodule(f"{layout.prefix}.{i}.mlp").intermediate_size = layout.neurons
+            mlp = model.get_submodule(f"{layout.prefix}.{i}.mlp")
+            mlp.intermediate_size = layout.neurons
+            if mlp.gate_proj.weight.dtype != torch.float32:
+                model.get_submodule(f"{layout.prefix}.{i}").mlp = MmapMLP(mlp, layout.act)
     return non_ffn
+
+
+def _mixed_forward(self, x):
+    y = mixed_linear(x, self.weight)
+    return y if self.bias is None else y + self.bias.float()
+
+
+def mixed_linear(x, w):
+    """x (f32) times a weight in its own dtype: 16-bit weights are used as they are
+    (x rounded to the weight dtype, f32 accumulation in the kernel, f32 result),
+    the way llama.cpp computes with f16/bf16 weights. No f32 copy of w is made."""
+    import torch
+
+    if w.dtype == torch.float32:
+        return torch.nn.functional.linear(x, w)
+    return torch.nn.functional.linear(x.to(w.dtype), w).float()
+
+
+def _module_base():
+    import torch
+
+    return torch.nn.Module
+
+
+class MmapMLP(_module_base()):
+    """The dense gated FFN over 16-bit weights: down(act(gate x) * up x), the
+    same kernels and roundings as the sparse engine's 16-bit path."""
+
+    def __init__(self, mlp, act: str) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act = ACT2FN[act]
+
+    def forward(self, x):
+        shape = x.shape
+        xt = x.reshape(-1, shape[-1])
+        w = self.gate_proj.weight
+        v = self.act(mixed_linear(xt, w)) * mixed_linear(xt, self.up_proj.weight)  # [T, N] f32
+        return mixed_linear(v, self.down_proj.weight).reshape(shape)
 
 
 def ffn_bytes(layout: FFNLayout, dtype_bytes: int = 4) -> int:
@@ -195,11 +262,12 @@ def ffn_bytes(layout: FFNLayout, dtype_bytes: int = 4) -> int:
     return layout.num_layers * 3 * layout.neurons * layout.hidden * dtype_bytes
 
 
-def load_dense_mmap(model_dir: Path):
-    """The whole dense model with every weight mmap-backed (the OS-paging baseline)."""
+def load_dense_mmap(model_dir: Path, resident: bool = False):
+    """The dense model with every FFN weight mmap-backed (the OS-paging baseline);
+    attention, norms and embeddings are resident, exactly as in the sparse engine."""
     layout = ffn_layout(model_dir)
     weights = MappedWeights(model_dir)
     model = build_skeleton(model_dir)
-    put_weights(model, weights, layout, resident=False, with_ffn=True)
+    put_weights(model, weights, layout, resident=resident, with_ffn=True)
     model._flotilla_weights = weights  # keep the maps alive as long as the model
     return model
