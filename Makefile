@@ -14,7 +14,7 @@ export FLOTILLA_CACHE ?= $(CURDIR)/.cache/flotilla
 SYSTEM_PKGS := libgl1 libegl1 libxkbcommon0 libxkbcommon-x11-0 libxcb-cursor0 \
                libxcb-icccm4 libxcb-keysyms1 libxcb-shape0 libxcb-randr0 \
                libxcb-render-util0 libxcb-image0 libxcb-xkb1 libfontconfig1 \
-               libdbus-1-3 fonts-dejavu-core xvfb xauth iproute2
+               libdbus-1-3 fonts-dejavu-core xvfb xauth iproute2 dpkg-dev binutils
 
 .PHONY: run test setup sysdeps demo-models lint clean dist
 
