@@ -118,32 +118,37 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)  # validate before the (slow) engine start
     engine = open_engine_from_args(args)
     try:
-        history: list[ChatMessage] = []
-        if args.system:
-            history.append(ChatMessage("system", args.system))
-        if args.prompt is not None:
-            _answer(engine, history, args.prompt, sampling)
-            return 0
-        interactive = sys.stdin.isatty()
-        if interactive:
-            print(f"Chatting with {engine.info.model_id} on {engine.info.device}. "
-                  "/reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
-        while True:
-            try:
-                line = input("> " if interactive else "")
-            except EOFError:
-                return 0
-            text = line.strip()
-            if not text:
-                continue
-            if text in ("/exit", "/quit"):
-                return 0
-            if text == "/reset":
-                history = history[:1] if args.system else []
-                continue
-            _answer(engine, history, text, sampling)
+        return chat_session(engine, args, sampling, f"on {engine.info.device}")
     finally:
         engine.close()
+
+
+def chat_session(engine, args: argparse.Namespace, sampling: SamplingParams, where: str) -> int:
+    """One answer with -p, else a REPL on stdin (shared by `chat` and `pipeline`)."""
+    history: list[ChatMessage] = []
+    if args.system:
+        history.append(ChatMessage("system", args.system))
+    if args.prompt is not None:
+        _answer(engine, history, args.prompt, sampling)
+        return 0
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"Chatting with {engine.info.model_id} {where}. "
+              "/reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        _answer(engine, history, text, sampling)
 
 
 def _answer(engine, history: list[ChatMessage], prompt: str, sampling: SamplingParams) -> None:

@@ -15,11 +15,10 @@ import argparse
 import signal
 import sys
 
-from engine.cli.chat_cmd import (_answer, add_sampling_arguments, add_speculative_arguments, sampling_from_args,
+from engine.cli.chat_cmd import (add_sampling_arguments, add_speculative_arguments, chat_session, sampling_from_args,
                                  speculative_from_args)
 from engine.cli.errors import UserError
 from engine.cli.progress import TerminalProgress
-from engine.protocol.messages import ChatMessage
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,29 +76,6 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     try:
         for link in engine.stages:
             print(f"  {link.label} at {link.endpoint}", file=sys.stderr)
-        history: list[ChatMessage] = []
-        if args.system:
-            history.append(ChatMessage("system", args.system))
-        if args.prompt is not None:
-            _answer(engine, history, args.prompt, sampling)
-            return 0
-        interactive = sys.stdin.isatty()
-        if interactive:
-            print(f"Chatting with {engine.info.model_id} through {len(engine.stages)} stages. "
-                  "/reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
-        while True:
-            try:
-                line = input("> " if interactive else "")
-            except EOFError:
-                return 0
-            text = line.strip()
-            if not text:
-                continue
-            if text in ("/exit", "/quit"):
-                return 0
-            if text == "/reset":
-                history = history[:1] if args.system else []
-                continue
-            _answer(engine, history, text, sampling)
+        return chat_session(engine, args, sampling, f"through {len(engine.stages)} stages")
     finally:
         engine.close()

@@ -9,16 +9,29 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
+
 # Force offscreen even if the shell exports xcb: tests must not need a display.
 # FLOTILLA_TEST_QPA=xcb lets a developer watch the tests under a real display.
 os.environ["QT_QPA_PLATFORM"] = os.environ.get("FLOTILLA_TEST_QPA", "offscreen")
 # Conversations, settings, peers and the sharing policy of the tests never
 # touch the user's own (FLOTILLA_DATA / FLOTILLA_CONFIG are read at use).
+# Set per test module and restored afterwards: conftest files load for the
+# whole session, and the other suites (fleet, e2e) must not see the app's
+# paired keys or data folder.
 _HOME = tempfile.mkdtemp(prefix="flotilla-apptest-")
-os.environ["FLOTILLA_DATA"] = os.path.join(_HOME, "data")
-os.environ["FLOTILLA_CONFIG"] = os.path.join(_HOME, "config")
+_APP_ENV = {"FLOTILLA_DATA": os.path.join(_HOME, "data"), "FLOTILLA_CONFIG": os.path.join(_HOME, "config")}
 # Fleet discovery of the app under test: mDNS on loopback only (nothing leaves
 # the machine), as a user would set it in Settings.
-os.makedirs(os.environ["FLOTILLA_CONFIG"], exist_ok=True)
-with open(os.path.join(os.environ["FLOTILLA_CONFIG"], "app_settings.json"), "w", encoding="utf-8") as _f:
+os.makedirs(_APP_ENV["FLOTILLA_CONFIG"], exist_ok=True)
+with open(os.path.join(_APP_ENV["FLOTILLA_CONFIG"], "app_settings.json"), "w", encoding="utf-8") as _f:
     _f.write('{"fleet_interfaces": "127.0.0.1"}')
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _app_folders():
+    """The app's private config and data folders, for the app's test modules only."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in _APP_ENV.items():
+            mp.setenv(key, value)
+        yield

@@ -262,12 +262,16 @@ def test_chat_status_shows_queued_requests(win: MainWindow, panel, qtbot) -> Non
         panel.detach_button.click()
         other = win.chat.windows[cid].panel
         for p in (other, panel):
-            p.max_tokens.setValue(400)
+            # Long answers (seconds even at full speed), so the second one is
+            # still waiting when the status is refreshed; both are stopped below.
+            p.max_tokens.setValue(3000)
             p.prompt.setPlainText("Keep talking about boats")
         other.send()
         panel.send()
         qtbot.waitUntil(lambda: "1 queued" in panel.engine_label.text(), timeout=10_000)
         assert "1 queued" in other.engine_label.text()
+        panel.stop()
+        other.stop()
         qtbot.waitUntil(lambda: not other.answering and not panel.answering, timeout=ANSWER_TIMEOUT_MS)
         assert "queued" not in panel.engine_label.text()
         win.chat.windows[cid].close()
