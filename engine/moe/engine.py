@@ -35,11 +35,11 @@ from engine.runtime.chat import chat_ids, prompt_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, decode_one, finished
 from engine.serve.interface import Engine, EngineError, EngineInfo
+from engine.serve.local import drain_inbox, refuse_waiting
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, float], None]
-IDLE_WAIT_S = 0.1  # how long the idle scheduler thread sleeps between checks
 
 
 @dataclass(frozen=True)
@@ -186,18 +186,10 @@ class MoEEngine(Engine):
         self._take_inbox(waiting, block=False)
         for gen in list(self._gens.values()):
             self._end(gen, finished(gen, "error", error="the engine was closed"))
-        for req, _t in waiting:
-            self._emit(TokenEvent(req.request_id, finish_reason="error", error="the engine was closed",
-                                  usage=Usage(0, 0)))
+        refuse_waiting(self._emit, waiting)
 
     def _take_inbox(self, waiting: collections.deque, block: bool) -> None:
-        try:
-            if block:
-                waiting.append(self._inbox.get(timeout=IDLE_WAIT_S))
-            while True:
-                waiting.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
+        drain_inbox(self._inbox, waiting, block)
 
     def _drop_cancelled(self, waiting: collections.deque) -> None:
         with self._lock:

@@ -38,6 +38,25 @@ DEFAULT_CONTEXT = 4096  # when config.json names no maximum
 IDLE_WAIT_S = 0.1  # how long the idle scheduler sleeps between checks
 
 
+def drain_inbox(inbox: queue.SimpleQueue, waiting: collections.deque, block: bool) -> None:
+    """Move submitted requests into `waiting`; with block, wait up to IDLE_WAIT_S for one.
+    Shared by the engines whose scheduler thread admits from an inbox (local, moe)."""
+    try:
+        if block:
+            waiting.append(inbox.get(timeout=IDLE_WAIT_S))
+        while True:
+            waiting.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+
+
+def refuse_waiting(emit, waiting: collections.deque) -> None:
+    """End every request that was never admitted: the engine is closing."""
+    for req, _t in waiting:
+        emit(TokenEvent(req.request_id, finish_reason="error", error="the engine was closed",
+                        usage=Usage(0, 0)))
+
+
 def context_from_config(model_dir: Path) -> int:
     """The model's trained context length from config.json (4096 if unknown)."""
     try:
@@ -142,18 +161,10 @@ class LocalEngine(Engine):
         self._take_inbox(waiting, block=False)
         for gen in active:
             self._end(gen, finished(gen, "error", error="the engine was closed"))
-        for req, _t in waiting:
-            self._emit(TokenEvent(req.request_id, finish_reason="error", error="the engine was closed",
-                                  usage=Usage(0, 0)))
+        refuse_waiting(self._emit, waiting)
 
     def _take_inbox(self, waiting: collections.deque, block: bool) -> None:
-        try:
-            if block:
-                waiting.append(self._inbox.get(timeout=IDLE_WAIT_S))
-            while True:
-                waiting.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
+        drain_inbox(self._inbox, waiting, block)
 
     def _drop_cancelled(self, waiting: collections.deque, active: list[Generation]) -> None:
         with self._lock:
