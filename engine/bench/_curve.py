@@ -179,7 +179,7 @@ class _Ring:
 
         prompts = ["Once upon a time", "The robot walked into", "Tell me about the sea", "A small cat"]
         reqs = [GenerateRequest(f"c{time.monotonic_ns()}-{i}", prompt=prompts[i % len(prompts)],
-                                sampling=SamplingParams(max_tokens=tokens)) for i in range(n)]
+                                sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(n)]
         counts = [0] * n
         errors: list[str] = []
 

@@ -5,7 +5,11 @@ A local pipeline (3 stage processes, f32 so greedy answers are exact) serves
 random stage process is killed with SIGKILL. Each answer is compared with the
 same request's answer from an uninterrupted run before the chaos:
 
-- requests / completed: answers that ended normally (stop or length);
+- submitted = completed + failed + unfinished: every request a client sent
+  (a refused submit included); completed = ended normally (stop or length),
+  failed = ended with an error, a hang (stream timeout) or a refusal,
+  unfinished = still running when the run stopped waiting (--drain-timeout s
+  after the chaos); requests = completed + failed (answers that ended);
 - duplicated_tokens / lost_tokens: tokens shown twice / never shown, from an
   alignment of each answer with its reference (difflib opcodes: insert =
   duplicated, delete = lost); mismatched_tokens: replaced ones;
@@ -16,7 +20,10 @@ same request's answer from an uninterrupted run before the chaos:
   first sample (after it served) to its last (KV states of replayed streams
   must be freed on survivors: a leak shows here).
 
-Goal: completed == requests, 0 duplicated, 0 lost, max_recovery_s < 5.
+Goal (RECOVERY_GOAL_S, --recovery-goal): every submitted request completed, 0
+duplicated, 0 lost, 0 mismatched, every kill recovered, max_recovery_s < 5,
+at least one kill. "passed" says whether the run met it and "failures" lists
+what it missed (flotilla bench exits non-zero when passed is false).
 --quick lasts about a minute; the full run 10 minutes.
 """
 
@@ -40,6 +47,10 @@ PROMPTS = ["Tell me a story about a robot.", "What is the sea like in winter?", 
            "Plan a trip to the mountains.", "What did the old man say?"]
 
 
+RECOVERY_GOAL_S = 5.0  # kill -> every running stream had its next token (docs/reliability.md)
+DRAIN_TIMEOUT_S = 120.0  # after the chaos: how long running requests may take to end
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="model spec (default demo)")
     p.add_argument("--stages", type=int, default=3, help="stage processes (default 3)")
@@ -48,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds of chaos (default 60 quick, 600 full)")
     p.add_argument("--max-tokens", type=int, default=160, help="tokens per answer at most (default 160)")
     p.add_argument("--seed", type=int, default=0, help="which stage dies when (default 0)")
+    p.add_argument("--recovery-goal", type=float, default=RECOVERY_GOAL_S,
+                   help=f"max recovery (kill -> next token) in s for the run to pass (default {RECOVERY_GOAL_S:g})")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="s to wait for running requests after the chaos; those still running then are "
+                        f"counted unfinished (default {DRAIN_TIMEOUT_S:g})")
+    p.add_argument("--stream-timeout", type=float, default=60.0,
+                   help="s a request may go without an event before it counts as failed (default 60)")
 
 
 def _align(got: list[int], want: list[int]) -> tuple[int, int, int]:
@@ -95,6 +113,37 @@ class _RssWatch:
         return max((self.last[p] - self.first[p] for p in self.first), default=0.0)
 
 
+def judge(out: dict[str, Any], recovery_goal_s: float = RECOVERY_GOAL_S) -> list[str]:
+    """What a run's figures miss of the goal (empty: it passed)."""
+    failures = []
+    if out["submitted"] != out["completed"] + out["failed"] + out["unfinished"]:
+        failures.append(f"request counts do not add up: submitted {out['submitted']} != completed "
+                        f"{out['completed']} + failed {out['failed']} + unfinished {out['unfinished']}")
+    if out["submitted"] == 0:
+        failures.append("no request was submitted")
+    if out["failed"]:
+        failures.append(f"{out['failed']} of {out['submitted']} requests failed")
+    if out["unfinished"]:
+        failures.append(f"{out['unfinished']} of {out['submitted']} requests were still running at the end "
+                        f"(lost: no final event within the drain timeout)")
+    if out["completed"] != out["identical"]:
+        failures.append(f"{out['completed'] - out['identical']} completed answers differ from their reference")
+    for key, what in (("duplicated_tokens", "duplicated"), ("lost_tokens", "lost"),
+                      ("mismatched_tokens", "mismatched")):
+        if out[key]:
+            failures.append(f"{out[key]} tokens {what}")
+    if out["usage_mismatches"]:
+        failures.append(f"{out['usage_mismatches']} answers report a usage that is not their token count")
+    if out["kills"] == 0:
+        failures.append("no stage was killed: the run tested nothing (duration shorter than the kill interval?)")
+    if out["unrecovered_kills"]:
+        failures.append(f"{out['unrecovered_kills']} of {out['kills']} kills were not followed by a "
+                        f"successful recovery")
+    if out["max_recovery_s"] is not None and out["max_recovery_s"] >= recovery_goal_s:
+        failures.append(f"max recovery {out['max_recovery_s']} s is not under the goal of {recovery_goal_s:g} s")
+    return failures
+
+
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.pipeline.runner import FleetConfig, launch_pipeline
     from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
@@ -102,7 +151,10 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     quick = bool(getattr(args, "quick", False))
     duration = args.duration if args.duration is not None else (60.0 if quick else 600.0)
     kill_every = args.kill_every if args.kill_every is not None else (8.0 if quick else 20.0)
-    sampling = SamplingParams(max_tokens=args.max_tokens)
+    goal = float(getattr(args, "recovery_goal", RECOVERY_GOAL_S))
+    drain_timeout = float(getattr(args, "drain_timeout", DRAIN_TIMEOUT_S))
+    stream_timeout = float(getattr(args, "stream_timeout", 60.0))
+    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)  # every answer runs its full length
     rng = random.Random(args.seed)
 
     def request(rid: str, k: int) -> GenerateRequest:
@@ -116,25 +168,31 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         refs: dict[int, list[int]] = {}
         ids = {k: engine.submit(request(f"ref-{k}", k)) for k in range(len(PROMPTS))}
         for k, rid in ids.items():
-            refs[k] = [t for ev in engine.stream(rid, timeout=60) for t in ev.token_ids]
+            refs[k] = [t for ev in engine.stream(rid, timeout=max(60.0, stream_timeout)) for t in ev.token_ids]
 
         rss = _RssWatch()
         results: list[dict] = []
+        inflight: dict[str, int] = {}  # submitted (or being submitted), no outcome yet: rid -> prompt
+        submitted = 0
         lock = threading.Lock()
         stop = threading.Event()
         kills: list[tuple[float, int, int]] = []  # (monotonic, ring position, pid)
 
         def client(c: int) -> None:
+            nonlocal submitted
             n = 0
             while not stop.is_set():
                 k = (c + n) % len(PROMPTS)
                 rid = f"c{c}-{n}"
                 n += 1
+                with lock:  # counted before it is sent: a request that never ends is still counted
+                    submitted += 1
+                    inflight[rid] = k
                 got: list[int] = []
                 final = None
                 try:
                     engine.submit(request(rid, k))
-                    for ev in engine.stream(rid, timeout=60):
+                    for ev in engine.stream(rid, timeout=stream_timeout):
                         got += ev.token_ids
                         if ev.final:
                             final = ev
@@ -148,8 +206,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                 dup, lost, bad = _align(got, refs[k])
                 ok = final is not None and final.finish_reason in ("stop", "length")
                 with lock:
+                    inflight.pop(rid, None)
                     results.append({"ok": ok, "identical": got == refs[k], "dup": dup, "lost": lost,
-                                    "bad": bad, "error": None if ok else err,
+                                    "bad": bad, "error": None if ok else (err or f"finish {final.finish_reason}"),
                                     "usage_ok": final is not None and final.usage is not None
                                     and final.usage.completion_tokens == len(got)})
 
@@ -160,9 +219,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         t_start = time.monotonic()
         for t in clients:
             t.start()
-        report(f"chaos: {args.streams} streams for {duration:.0f} s, a stage killed every {kill_every:.0f} s")
+        report(f"chaos: {args.streams} streams for {duration:g} s, a stage killed every {kill_every:g} s")
         next_kill = t_start + kill_every
-        time.sleep(1.0)
+        time.sleep(min(1.0, duration))
         rss.sample(workers())
         while time.monotonic() - t_start < duration:
             time.sleep(0.25)
@@ -182,39 +241,62 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                 kills.append((time.monotonic(), i, link.proc.pid))
                 report(f"chaos: t={now - t_start:5.1f} s killed stage {i} (pid {link.proc.pid})")
         stop.set()
+        drain_until = time.monotonic() + drain_timeout  # one deadline for all clients, not one each
         for t in clients:
-            t.join(timeout=120)
+            t.join(timeout=max(0.0, drain_until - time.monotonic()))
         rss.sample(workers())
+        with lock:  # one consistent snapshot: clients still running may add to these later
+            done = list(results)
+            unfinished = len(inflight)
+            n_submitted = submitted
         records = list(engine.recovery.records)
-        recov = []
+        for r in records:  # a recovery still under way gets what is left of the drain time
+            try:
+                r.done.exception(timeout=max(0.0, drain_until - time.monotonic()))
+            except Exception:  # noqa: BLE001 - a timeout: it stays not ok
+                pass
+        recov: list[float | None] = []
+        matched = []
         for t_kill, _i, pid in kills:
             rec = next((r for r in records if f"pid {pid})" in r.reason and r.detected >= t_kill - 0.01), None)
-            if rec is None or not rec.ok:
-                recov.append(float("inf"))
-            else:
-                recov.append(rec.detected + rec.resume_s - t_kill)
-        finite = [r for r in recov if r != float("inf")]
-        out = {
+            matched.append(rec)
+            recov.append(None if rec is None or not rec.ok else rec.detected + rec.resume_s - t_kill)
+        finite = [r for r in recov if r is not None]
+        unrecovered = sum(r is None for r in recov)
+        completed = sum(r["ok"] for r in done)
+        out: dict[str, Any] = {
             "stages": args.stages, "streams": args.streams, "duration_s": round(duration, 1),
             "kill_every_s": kill_every, "kills": len(kills),
             "recoveries": sum(1 for r in records if r.ok),
-            "requests": len(results),
-            "completed": sum(r["ok"] for r in results),
-            "identical": sum(r["identical"] for r in results),
-            "duplicated_tokens": sum(r["dup"] for r in results),
-            "lost_tokens": sum(r["lost"] for r in results),
-            "mismatched_tokens": sum(r["bad"] for r in results),
-            "usage_mismatches": sum(not r["usage_ok"] for r in results if r["ok"]),
-            "max_recovery_s": round(max(recov), 3) if recov else 0.0,
+            "unrecovered_kills": unrecovered,
+            "submitted": n_submitted,
+            "completed": completed,
+            "failed": len(done) - completed,
+            "unfinished": unfinished,
+            "requests": len(done),
+            "identical": sum(r["identical"] for r in done),
+            "duplicated_tokens": sum(r["dup"] for r in done),
+            "lost_tokens": sum(r["lost"] for r in done),
+            "mismatched_tokens": sum(r["bad"] for r in done),
+            "usage_mismatches": sum(not r["usage_ok"] for r in done if r["ok"]),
+            # None when a kill was never recovered from (see unrecovered_kills)
+            "max_recovery_s": None if unrecovered else (round(max(finite), 3) if finite else 0.0),
             "median_recovery_s": round(statistics.median(finite), 3) if finite else 0.0,
-            "detect_s": [round(r.detected - k[0], 3) for k, r in zip(kills, records)],
+            "recovery_s": [None if r is None else round(r, 3) for r in recov],
+            "recovery_goal_s": goal,
+            "detect_s": [round(rec.detected - k[0], 3) for k, rec in zip(kills, matched) if rec is not None],
             "worker_rss_growth_mb": round(rss.growth_mb(), 1),
-            "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+            "drain_timeout_s": drain_timeout,
+            "errors": sorted({r["error"] for r in done if r["error"]})[:5],
             "recovery_records": [r.to_dict() for r in records][:50],
         }
-        report(f"chaos: {out['completed']}/{out['requests']} completed, {out['duplicated_tokens']} duplicated, "
-               f"{out['lost_tokens']} lost, max recovery {out['max_recovery_s']} s, "
+        out["failures"] = judge(out, goal)
+        out["passed"] = not out["failures"]
+        report(f"chaos: {out['completed']}/{out['submitted']} completed ({out['failed']} failed, "
+               f"{out['unfinished']} unfinished), {out['duplicated_tokens']} duplicated, "
+               f"{out['lost_tokens']} lost, max recovery {out['max_recovery_s']} s (goal < {goal:g} s), "
                f"worker RSS growth {out['worker_rss_growth_mb']} MB")
+        report("chaos: PASSED" if out["passed"] else "chaos: FAILED: " + "; ".join(out["failures"]))
         return out
     finally:
         engine.close()

@@ -17,6 +17,12 @@ distance to it and `max_speedup_vs_on_demand` (on_demand's time over the
 bound: what any scheduler that overlaps perfectly could gain over it here).
 `--schedulers ...,on_demand_overlap` adds the ablation of docs/moe.md
 (on_demand computing each expert as soon as it lands).
+
+`io` records what the reads went through: {"requested", "effective",
+"fallback_reason"} ("o_direct" or "buffered"), over the disk probe's store and
+every measured engine's. When O_DIRECT was requested but is not in effect
+(a file system refusing it, or a store on tmpfs), the figures include the page
+cache: every speedup field is null and `speedup_refused` says why.
 """
 
 from __future__ import annotations
@@ -49,6 +55,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of O_DIRECT")
 
 
+def io_figures(requested_direct: bool, infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """The "io" record of a benchmark from the `io_info()` of every store it read through:
+    effective "o_direct" only if every one of them really read with O_DIRECT."""
+    reasons = [i["fallback_reason"] for i in infos if i.get("fallback_reason")]
+    direct = requested_direct and bool(infos) and all(i["effective"] == "o_direct" for i in infos)
+    return {"requested": "o_direct" if requested_direct else "buffered",
+            "effective": "o_direct" if direct else "buffered",
+            "fallback_reason": reasons[0] if reasons else None}
+
+
+def speedup_refusal(io: dict[str, Any]) -> str | None:
+    """Why no speedup may be reported (O_DIRECT requested, not in effect), or None."""
+    if io["requested"] == "o_direct" and io["effective"] != "o_direct":
+        return (f"O_DIRECT was requested but reads were buffered ({io['fallback_reason'] or 'unknown reason'}): "
+                "the figures include the page cache, so no speedup is reported")
+    return None
+
+
+def refuse_speedups(figures: dict[str, Any], reason: str) -> None:
+    """Null every speedup figure (any key containing "speedup", at any depth; goals are
+    targets and stay) and record why in `speedup_refused`."""
+    def walk(d: dict[str, Any]) -> None:
+        for k, v in d.items():
+            if k.startswith("goal"):
+                continue
+            if "speedup" in k:
+                d[k] = None
+            elif isinstance(v, dict):
+                walk(v)
+
+    walk(figures)
+    figures["speedup_refused"] = reason
+
+
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.models.demo import ensure_recipe
     from engine.moe.convert import ensure_store
@@ -70,12 +110,16 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     store_dir = ensure_store(path, recipe.fingerprint())
     report(f"model + expert store ready in {time.time() - t:.1f} s")
     store = ExpertStore(store_dir, StoreConfig(direct=not args.buffered))
+    io_infos = [store.io_info()]  # the probe's store, then every measured engine's
     index = store.index
     budget = int(index.total_expert_bytes * args.cache_fraction)
     disks = [_disk_bandwidth(store)]  # measured again before every repeat (the disk is shared too)
     report(f"{len(index.blobs)} experts x {index.blob_bytes / 1e6:.2f} MB = {index.total_expert_bytes / 1e9:.2f} GB; "
            f"cache {budget / 1e6:.0f} MB ({args.cache_fraction:.0%}); disk {disks[0] / 1e6:.0f} MB/s "
-           f"({'O_DIRECT' if store.direct else 'buffered'})")
+           f"({'O_DIRECT' if store.io_mode == 'o_direct' else 'buffered'})")
+    if store.io_fallback_reason:
+        report(f"WARNING: O_DIRECT requested but not in effect ({store.io_fallback_reason}); "
+               "no speedup will be reported")
 
     cells: dict[tuple[str, int], list[dict[str, float]]] = {}
     for rep in range(repeats):
@@ -84,7 +128,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         for conc in concs:
             order = scheds[rep % len(scheds):] + scheds[:rep % len(scheds)]  # rotate who goes first
             for sched in order:
-                m = _one_run(store_dir, recipe.demo_id, sched, budget, conc, tokens, not args.buffered)
+                m, info = _one_run(store_dir, recipe.demo_id, sched, budget, conc, tokens, not args.buffered)
+                io_infos.append(info)
                 cells.setdefault((sched, conc), []).append(m)
                 report(f"  repeat {rep + 1}/{repeats} c={conc:<2} {sched:<9} {m['tok_s']:7.1f} tok/s  "
                        f"hit {m['hit_rate']:.2f}  {m['mb_per_token']:.1f} MB/token")
@@ -95,12 +140,14 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     for (sched, conc), runs in cells.items():
         table.setdefault(sched, {})[str(conc)] = {k: round(statistics.median(r[k] for r in runs), 4)
                                                   for k in runs[0]}
+    io_rec = io_figures(not args.buffered, io_infos)
     out: dict[str, Any] = {
         "model": {"recipe": recipe.demo_id, "layers": layers, "experts_per_layer": experts,
                   "top_k": index.top_k, "expert_mb": round(index.blob_bytes / 1e6, 3),
                   "all_experts_mb": round(index.total_expert_bytes / 1e6, 1)},
         "cache_budget_mb": round(budget / 1e6, 1), "cache_fraction": args.cache_fraction,
-        "o_direct": not args.buffered, "disk_mb_s": round(disk / 1e6, 1),
+        # o_direct: whether O_DIRECT was in effect (io.effective), not whether it was asked for
+        "io": io_rec, "o_direct": io_rec["effective"] == "o_direct", "disk_mb_s": round(disk / 1e6, 1),
         "disk_mb_s_per_repeat": [round(d / 1e6, 1) for d in disks],
         "tokens_per_request": tokens, "repeats": repeats, "results": table,
     }
@@ -134,11 +181,16 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                     row[f"{sched}_vs_bound"] = round(max(compute, io) / table[sched][c]["s_per_token"], 3)
                 bound[c] = row
             out["overlap_bound"] = bound
+    refusal = speedup_refusal(io_rec)
+    if refusal:
+        refuse_speedups(out, refusal)
+        report(f"speedups refused: {refusal}")
     return out
 
 
 def _one_run(store_dir, model_id: str, sched: str, budget: int, conc: int, tokens: int,
-             direct: bool) -> dict[str, float]:
+             direct: bool) -> tuple[dict[str, float], dict[str, Any]]:
+    """(figures of one run, the io_info() of the store its engine read through)"""
     from engine.moe.engine import MoEConfig, MoEEngine
     from engine.protocol.messages import GenerateRequest, SamplingParams
 
@@ -146,12 +198,13 @@ def _one_run(store_dir, model_id: str, sched: str, budget: int, conc: int, token
     engine = MoEEngine(store_dir, model_id, cfg)
     try:
         reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
-                                sampling=SamplingParams(max_tokens=tokens)) for i in range(conc)]
+                                sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(conc) as pool:
             finals = list(pool.map(lambda r: list(engine.stream(engine.submit(r)))[-1], reqs))
         wall = time.perf_counter() - t0
         st = engine.stats()
+        io_info = engine.store.io_info()
     finally:
         engine.close()
     for f in finals:
@@ -165,11 +218,11 @@ def _one_run(store_dir, model_id: str, sched: str, budget: int, conc: int, token
             "mb_per_token": st["bytes_read"] / 1e6 / out_tokens, "mean_group": st["mean_group"],
             "mean_batch": st["mean_batch"],
             "disk_mb_s_busy": st["bytes_read"] / 1e6 / st["io_busy_s"] if st["io_busy_s"] else 0.0,
-            "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall}
+            "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall}, io_info
 
 
 def _disk_bandwidth(store, n: int = 96, threads: int = 4) -> float:
-    """Bytes/s reading random blobs with the engine's reader (O_DIRECT, thread pool)."""
+    """Bytes/s reading random blobs with the engine's reader (the store's io_mode, thread pool)."""
     import random
 
     from engine.moe.store import aligned_buffer

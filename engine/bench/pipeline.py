@@ -1,4 +1,5 @@
-"""`flotilla bench pipeline`: request interleaving over 2 stage processes vs one monolithic model.
+"""`flotilla bench pipeline`: request interleaving over 2 stage processes vs one monolithic model
+and vs 2 data-parallel replicas of it.
 
 A compute-bound random-weight Llama (engine.bench.shards.dense_recipe) runs
   monolithic  the whole model ([0, L) shard, fused stateful KV) in ONE child
@@ -7,9 +8,11 @@ A compute-bound random-weight Llama (engine.bench.shards.dense_recipe) runs
   pipeline    2 stage worker processes (engine.pipeline.worker, the shards
               [0, L/2) and [L/2, L)), each pinned to its own core, driven by
               the PipelineEngine coordinator (engine.pipeline.coordinator)
-              running in another child process (not pinned);
+              running in another child process, pinned (see below);
   monolithic_engine  the whole model as ONE stage worker on the first core
               behind the same coordinator (what the ring machinery costs);
+  data_parallel  2 replicas of the whole model (monolithic children), one per
+              stage core, each serving half the streams at once (_replicas.py);
 with 1, 2 and 4 streams: N greedy requests submitted at once, each generating
 --tokens tokens after a short prompt; aggregate tok/s = all generated tokens /
 wall time from submit to the last token (prefill included, the same in both).
@@ -17,8 +20,11 @@ Every OpenVINO model gets INFERENCE_NUM_THREADS=1, so a process uses one core.
 Cases alternate inside each repeat (monolithic and pipeline processes stay
 loaded and idle between cases); figures are medians over repeats.
 
-speedup_2streams = pipeline with 2 streams / monolithic with 1 stream
-(goal >= 1.85; the paper reached 1.80x on two Arc iGPU nodes).
+speedup_2streams = speedup_vs_monolithic = pipeline with 2 streams / monolithic
+with 1 stream (goal >= 1.85; the paper reached 1.80x on two Arc iGPU nodes);
+pipeline_over_data_parallel = pipeline / data_parallel at the same stream count
+(headline at 2 streams). `pinning` records the cores every process ran on, and
+`pinning_note` why that is fair (engine/bench/_replicas.py).
 
 The full run (not --quick) adds network profiles: every process (coordinator,
 stage 0, stage 1) runs in its own network namespace created by the benchmark
@@ -47,6 +53,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.bench._replicas import Replicas, pinned_process, pinning_record, plan_pinning, ratios, taskset_prefix
+
 NAME = "pipeline"
 HELP = "pipeline request interleaving: 2 pinned stage processes vs the monolithic model on one core"
 
@@ -70,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="repeats (default 3 quick, 5 full)")
     p.add_argument("--cores", default="0,1", help="cores of stage 0 and stage 1; the monolithic run uses the first")
     p.add_argument("--threads", type=int, default=1, help="INFERENCE_NUM_THREADS per process (default 1)")
+    p.add_argument("--coordinator", choices=("auto", "own", "shared"), default="auto",
+                   help="coordinator cores: own = a spare core, shared = its stages' cores "
+                        "(default auto: own when there is a spare core)")
     p.add_argument("--profiles", default=None,
                    help=f"network profiles for the full run (default: {','.join(PROFILES)}; 'none' skips)")
     p.add_argument("--net-tokens", type=int, default=None, help="tokens per stream under a network profile "
@@ -91,15 +102,22 @@ class Child:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      env=env, cwd=str(REPO_ROOT), start_new_session=True, text=True)
         try:
-            self.ask(spec)  # the first command sets the child up; it answers when loaded
+            self.setup = self.ask(spec)  # the first command sets the child up; it answers when loaded
         except BaseException:
             self.close()
             raise
 
     def ask(self, cmd: dict) -> dict:
-        assert self.proc.stdin and self.proc.stdout
+        self.send(cmd)
+        return self.recv()
+
+    def send(self, cmd: dict) -> None:
+        assert self.proc.stdin
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+
+    def recv(self) -> dict:
+        assert self.proc.stdout
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait(timeout=10)
@@ -171,8 +189,10 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     if len(cores) < 2:
         raise SystemExit("--cores needs two cores (stage 0, stage 1)")
     allowed = os.sched_getaffinity(0)
-    if not set(cores[:2]) <= allowed:
-        raise SystemExit(f"cores {cores[:2]} are not all available here (allowed: {sorted(allowed)})")
+    if not set(cores[:2]) <= allowed or cores[0] == cores[1]:
+        raise SystemExit(f"cores {cores[:2]} are not 2 distinct cores available here (allowed: {sorted(allowed)})")
+    # Every process gets its own share of cores, the coordinators included (why: engine/bench/_replicas.py).
+    pin = plan_pinning(cores[:2], allowed, getattr(args, "coordinator", "auto"))
     profiles_arg = args.profiles if args.profiles is not None else ("none" if quick else ",".join(PROFILES))
     profiles = [] if profiles_arg == "none" else [p for p in profiles_arg.split(",") if p.strip()]
     for p in profiles:
@@ -213,79 +233,78 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     mono_spec = {**common, "cmd": "setup_mono", "shard": infos[(0, layers)].path}
     ring_spec = {**common, "cmd": "setup_ring", "shards": [infos[r].path for r in ranges],
                  "ranges": ranges, "cores": cores[:2], "max_concurrent": max(streams),
-                 "stage_prefix": [[], []], "host": "127.0.0.1", "coord_host": "127.0.0.1", "relays": None}
+                 "stage_prefix": [[], []], "host": "127.0.0.1", "coord_host": "127.0.0.1", "relays": None,
+                 "coord_cores": pin["coordinator"]}
     # The whole model as ONE stage worker on the first core, behind the same coordinator:
     # separates what the ring costs from what interleaving gains.
     one_spec = {**ring_spec, "shards": [infos[(0, layers)].path], "ranges": [(0, layers)],
                 "cores": cores[:1], "stage_prefix": [[]]}
-    report(f"starting the monolithic process (core {cores[0]}), a 1-stage ring (core {cores[0]}) "
-           f"and 2 stage processes (cores {cores[:2]})")
+    report(f"starting the monolithic processes (cores {cores[:2]}), a 1-stage ring (core {cores[0]}) "
+           f"and 2 stage processes (cores {cores[:2]}); coordinators on {pin['coordinator']}")
     children: list[Child] = []
     cells: dict[tuple[str, int], list[float]] = {}
-    try:
-        mono = Child(["taskset", "-c", str(cores[0])], mono_spec, logs / "mono.log")
-        children.append(mono)
-        one = Child([], one_spec, logs / "ring1.log")
-        children.append(one)
-        ring = Child([], ring_spec, logs / "ring.log")
-        children.append(ring)
-        cases = [("monolithic", mono), ("monolithic_engine", one), ("pipeline_2stages", ring)]
-        # Warm-up: one short run of each (first inferences allocate and page in).
-        for _name, child in cases:
-            child.ask({"cmd": "run", "streams": 2, "tokens": 4, "prompts": prompts if child is mono else PROMPTS})
-        for rep in range(repeats):
-            for n in streams:
-                k = rep % len(cases)
-                for name, child in cases[k:] + cases[:k]:  # rotate who goes first
-                    res = child.ask({"cmd": "run", "streams": n, "tokens": tokens,
-                                     "prompts": prompts if child is mono else PROMPTS})
-                    cells.setdefault((name, n), []).append(res["tok_s"])
-                    report(f"  repeat {rep + 1}/{repeats} streams={n} {name:<17} {res['tok_s']:7.2f} tok/s"
-                           f"  (tokens per stream {res['min_tokens']}..{res['max_tokens']})")
-        stage_ms = ring.ask({"cmd": "stats"})
-        stage_ms_one = one.ask({"cmd": "stats"})
-    finally:
-        for c in reversed(children):
-            c.close()
-    load["after"] = os.getloadavg()
+    with pinned_process(pin["coordinator"]) as bench_cores:  # restored on the way out
+        try:
+            children.append(mono := Child(taskset_prefix([cores[0]]), mono_spec, logs / "mono.log"))
+            # the second data-parallel replica (the first is `mono`)
+            children.append(mono_b := Child(taskset_prefix([cores[1]]), mono_spec, logs / "mono-1.log"))
+            children.append(one := Child(taskset_prefix(pin["coordinator_1stage"]), one_spec, logs / "ring1.log"))
+            children.append(ring := Child(taskset_prefix(pin["coordinator"]), ring_spec, logs / "ring.log"))
+            cases = [("monolithic", mono), ("monolithic_engine", one), ("pipeline_2stages", ring),
+                     ("data_parallel", Replicas([mono, mono_b]))]
+            ids_for = {"monolithic", "data_parallel"}  # driven through ShardRunner: token ids, not text
+            # Warm-up: one short run of each (first inferences allocate and page in).
+            for name, child in cases:
+                child.ask({"cmd": "run", "streams": 2, "tokens": 4,
+                           "prompts": prompts if name in ids_for else PROMPTS})
+            for rep in range(repeats):
+                for n in streams:
+                    k = rep % len(cases)
+                    for name, child in cases[k:] + cases[:k]:  # rotate who goes first
+                        res = child.ask({"cmd": "run", "streams": n, "tokens": tokens,
+                                         "prompts": prompts if name in ids_for else PROMPTS})
+                        cells.setdefault((name, n), []).append(res["tok_s"])
+                        report(f"  repeat {rep + 1}/{repeats} streams={n} {name:<17} {res['tok_s']:7.2f} tok/s"
+                               f"  (tokens per stream {res['min_tokens']}..{res['max_tokens']})")
+            stage_ms = ring.ask({"cmd": "stats"})
+            stage_ms_one = one.ask({"cmd": "stats"})
+        finally:
+            for c in reversed(children):
+                c.close()
+        load["after"] = os.getloadavg()
 
-    table = {name: {str(n): round(statistics.median(cells[(name, n)]), 3) for n in streams}
-             for name in ("monolithic", "monolithic_engine", "pipeline_2stages")}
-    out: dict[str, Any] = {
-        "model": model, "ranges": [list(r) for r in ranges], "cores": cores[:2], "threads_per_process": args.threads,
-        "tokens_per_stream": tokens, "prompt_tokens": [len(p) for p in prompts], "repeats": repeats,
-        "aggregate_tok_s": table,
-        "aggregate_tok_s_per_repeat": {f"{name}/{n}": [round(x, 3) for x in cells[(name, n)]]
-                                       for name, n in cells},
-        "stage_compute_ms_mean": stage_ms.get("stage_ms_mean"),
-        "monolithic_engine_compute_ms_mean": (stage_ms_one.get("stage_ms_mean") or [None])[0],
-        "loadavg": {k: [round(x, 2) for x in v] for k, v in load.items()},
-        "goals": {"speedup_2streams": 1.85},
-    }
-    if 1 in streams:
-        mono1 = table["monolithic"]["1"]
-        out["speedup_by_streams"] = {str(n): round(table["pipeline_2stages"][str(n)] / mono1, 3) for n in streams}
-        if 2 in streams:
-            out["speedup_2streams"] = out["speedup_by_streams"]["2"]
-            out["speedup_2streams_per_repeat"] = [round(p / m, 3) for p, m in
-                                                  zip(cells[("pipeline_2stages", 2)], cells[("monolithic", 1)])]
-        one1 = table["monolithic_engine"]["1"]
-        out["speedup_vs_monolithic_engine_by_streams"] = {
-            str(n): round(table["pipeline_2stages"][str(n)] / one1, 3) for n in streams}
-        out["interleaving_gain_loopback"] = {str(n): round(table["pipeline_2stages"][str(n)]
-                                                           / table["pipeline_2stages"]["1"], 3) for n in streams}
-    # CURVE on the data plane: the same 2-stage ring with and without it (engine/bench/_curve.py).
-    from engine.bench._curve import measure_curve_overhead
+        table = {name: {str(n): round(statistics.median(cells[(name, n)]), 3) for n in streams}
+                 for name, _child in cases}
+        pinning = pinning_record(pin, allowed, bench_cores, cores[:2], ring.setup, one.setup,
+                                 [mono.setup, mono_b.setup])
+        out: dict[str, Any] = {
+            "model": model, "ranges": [list(r) for r in ranges], "cores": cores[:2],
+            "threads_per_process": args.threads, "tokens_per_stream": tokens,
+            "prompt_tokens": [len(p) for p in prompts], "repeats": repeats,
+            "aggregate_tok_s": table,
+            "aggregate_tok_s_per_repeat": {f"{name}/{n}": [round(x, 3) for x in cells[(name, n)]]
+                                           for name, n in cells},
+            "stage_compute_ms_mean": stage_ms.get("stage_ms_mean"),
+            "monolithic_engine_compute_ms_mean": (stage_ms_one.get("stage_ms_mean") or [None])[0],
+            "loadavg": {k: [round(x, 2) for x in v] for k, v in load.items()},
+            "goals": {"speedup_2streams": 1.85},
+            "pinning": pinning, "pinning_note": pin["note"],
+        }
+        out.update(ratios(table, cells, streams))  # speedup_*, interleaving gain, pipeline_over_data_parallel
+        # CURVE on the data plane: the same 2-stage ring with and without it (engine/bench/_curve.py);
+        # its coordinators run in this (pinned) process.
+        from engine.bench._curve import measure_curve_overhead
 
-    out.update(measure_curve_overhead(path, recipe.demo_id, [infos[r].path for r in ranges], ranges, cores[:2],
-                                      threads=args.threads, streams=tuple(n for n in streams if n <= 2) or (1,),
-                                      tokens=tokens, repeats=repeats, blobs=blobs, hidden=args.hidden,
-                                      log_dir=logs / "curve", report=report))
-    if profiles:
-        out["network"] = {p: _run_profile(p, common, ring_spec, ranges, cores, streams,
-                                          args.net_tokens or (8 if PROFILES[p][0] >= 50 else tokens),
-                                          max(1, repeats // 2) if PROFILES[p][0] >= 50 else repeats, report)
-                          for p in profiles}
+        out.update(measure_curve_overhead(path, recipe.demo_id, [infos[r].path for r in ranges], ranges, cores[:2],
+                                          threads=args.threads, streams=tuple(n for n in streams if n <= 2) or (1,),
+                                          tokens=tokens, repeats=repeats, blobs=blobs, hidden=args.hidden,
+                                          log_dir=logs / "curve", report=report))
+        if profiles:
+            out["network"] = {p: _run_profile(p, common, ring_spec, ranges, cores, streams,
+                                              args.net_tokens or (8 if PROFILES[p][0] >= 50 else tokens),
+                                              max(1, repeats // 2) if PROFILES[p][0] >= 50 else repeats, report)
+                              for p in profiles}
+            pinning["network"] = {p: out["network"][p].pop("pinning") for p in profiles}
     return out
 
 
@@ -320,7 +339,9 @@ def _profile_in_lab(profile: str, delay: float, rate: float | None, nodes: list[
             "coord_host": lab.address("c"),
             "relays": {"delay_ms": delay, "prefix": {n: lab.exec_prefix(n) for n in nodes}},
         })
-        ring = Child(lab.exec_prefix("c"), spec, Path(common["log_dir"]) / f"ring-{profile}.log")
+        # The coordinator keeps its share (taskset inside its namespace); its relays inherit it.
+        ring = Child([*lab.exec_prefix("c"), *taskset_prefix(spec["coord_cores"])], spec,
+                     Path(common["log_dir"]) / f"ring-{profile}.log")
         cells: dict[int, list[float]] = {}
         try:
             ring.ask({"cmd": "run", "streams": 1, "tokens": 2, "prompts": PROMPTS})
@@ -335,7 +356,9 @@ def _profile_in_lab(profile: str, delay: float, rate: float | None, nodes: list[
     return {"one_way_delay_ms_per_hop": delay, "rate_mbit": rate, "tokens_per_stream": tokens, "repeats": repeats,
             "delay_by": "user-space relay per node (no sch_netem in this kernel)",
             "rate_by": "tbf on every node's eth0" if rate else None, "aggregate_tok_s": tok_s,
-            "interleaving_gain": {n: round(v / tok_s["1"], 3) for n, v in tok_s.items()} if "1" in tok_s else {}}
+            "interleaving_gain": {n: round(v / tok_s["1"], 3) for n, v in tok_s.items()} if "1" in tok_s else {},
+            "pinning": {"coordinator": ring.setup["affinity"], "relays": ring.setup["affinity"],
+                        "stages": ring.setup["stage_affinity"]}}
 
 
 # -- the child side ----------------------------------------------------------------------------------
@@ -375,7 +398,8 @@ def _handle(state: dict, cmd: dict) -> dict:
         return {"ok": True, "affinity": sorted(os.sched_getaffinity(0))}
     if kind == "setup_ring":
         _setup_ring(state, cmd)
-        return {"ok": True}
+        return {"ok": True, "affinity": sorted(os.sched_getaffinity(0)),
+                "stage_affinity": [sorted(os.sched_getaffinity(p.pid)) for p in state["stages"]]}
     if kind == "run":
         if "mono" in state:
             return _run_mono(state["mono"], cmd["streams"], cmd["tokens"], cmd["prompts"])
@@ -400,7 +424,7 @@ def _run_mono(runner, n: int, tokens: int, prompts: list[list[int]]) -> dict:
     ids = [list(prompts[i % len(prompts)]) for i in range(n)]
     past = [0] * n
     counts = [0] * n
-    t0 = time.perf_counter()
+    t0 = time.monotonic()  # CLOCK_MONOTONIC: comparable across the data-parallel replicas
     feed_ids = ids
     for _ in range(tokens):
         nxt = []
@@ -413,15 +437,17 @@ def _run_mono(runner, n: int, tokens: int, prompts: list[list[int]]) -> dict:
             counts[i] += 1
             nxt.append([int(out["next_token"][0, -1])])
         feed_ids = nxt
-    wall = time.perf_counter() - t0
-    return {"tok_s": sum(counts) / wall, "wall_s": wall, "min_tokens": min(counts), "max_tokens": max(counts)}
+    t1 = time.monotonic()
+    wall = t1 - t0
+    return {"tok_s": sum(counts) / wall, "wall_s": wall, "min_tokens": min(counts), "max_tokens": max(counts),
+            "tokens": sum(counts), "t0": t0, "t1": t1}
 
 
 def _run_ring(engine, n: int, tokens: int, prompts: list[str]) -> dict:
     from engine.protocol.messages import GenerateRequest, SamplingParams
 
     reqs = [GenerateRequest(f"b{time.monotonic_ns()}-{i}", prompt=prompts[i % len(prompts)],
-                            sampling=SamplingParams(max_tokens=tokens)) for i in range(n)]
+                            sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(n)]
     finals: list[Any] = [None] * n
 
     def drain(i: int, rid: str) -> None:
@@ -464,6 +490,7 @@ def _setup_ring(state: dict, cmd: dict) -> None:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, env=env,
                                     cwd=str(REPO_ROOT), start_new_session=True)
         procs.append(proc)
+        state.setdefault("stages", []).append(proc)
         endpoint = _read_endpoint(proc, log_path)
         links.append(StageLink(i, start, end, endpoint, proc=proc, log_path=log_path))
     pcfg = dict(max_concurrent=int(cmd["max_concurrent"]), return_bind=f"tcp://{cmd['coord_host']}:*",

@@ -19,9 +19,21 @@ Figures:
               speculation and with K=4 at each acceptance level (and prompt
               lookup), alternating, medians over repeats; speedup_at_70pct.
               Also 2 interleaved streams at the 70 % draft.
-  identical_to_greedy  every speculative answer equals the plain greedy one.
+  identical_to_greedy  every speculative answer equals the plain greedy one
+              (of every run: synthetic, real_pair and real_lookup).
   genai       openvino_genai's own speculative LLMPipeline on the same target
               and 70 % draft (optimum IR + openvino_tokenizers), as an anchor.
+  pair        says that the figures above come from a synthetic pair
+              ("synthetic": true): the acceptance is set by construction.
+
+A real pair, for contrast (same 2-stage pipeline, f32, greedy, fixed K):
+  real_pair   the demo models: demo-draft drafting for demo (--pair-draft,
+              --pair-target). Separately initialised random weights sharing
+              a tokenizer, so acceptance is whatever it is (low): measured
+              acceptance, tok/s without and with speculation, speedup,
+              identical_to_greedy.
+  real_lookup prompt lookup on the same real target with a repetitive,
+              code-like prompt (LOOKUP_PROMPT): the same figures.
 """
 
 from __future__ import annotations
@@ -36,6 +48,10 @@ NAME = "spec"
 HELP = "speculative decoding: mask vs trim rollback, tok/s at controlled acceptance, openvino_genai anchor"
 
 PROMPT = "Once upon a time there was a small robot who lived by the sea and"
+# Repetitive, code-like: what prompt lookup is for (it drafts n-grams seen earlier in the context).
+LOOKUP_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+                 "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n    return a / b\n\n\n"
+                 "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default="256,1024,4096", help="rollback contexts (default 256,1024,4096)")
     p.add_argument("--threads", type=int, default=1, help="OpenVINO threads per stage (default 1)")
     p.add_argument("--targets", default="0.5,0.7,0.9", help="acceptance levels (default 0.5,0.7,0.9)")
+    p.add_argument("--heads", type=int, default=16, help="target attention heads (default 16)")
+    p.add_argument("--kv-heads", type=int, default=4, help="target KV heads (default 4)")
     p.add_argument("--no-genai", action="store_true", help="skip the openvino_genai anchor")
+    p.add_argument("--pair-target", default="demo", help="target of the real pair run (default demo)")
+    p.add_argument("--pair-draft", default="demo-draft", help="draft of the real pair run (default demo-draft)")
+    p.add_argument("--no-real", action="store_true", help="skip the real pair and prompt-lookup runs")
 
 
 def _median(xs: list[float]) -> float:
@@ -159,12 +180,13 @@ def calibrate(target: Path, targets: list[float], report: Callable[[str], None])
 
 
 # -- throughput over 2 stages --------------------------------------------------------------------------
-def _answer(engine, rid: str, n: int, spec, streams: int = 1) -> tuple[list[list[int]], float]:
+def _answer(engine, rid: str, n: int, spec, streams: int = 1,
+            prompt: str = PROMPT) -> tuple[list[list[int]], float]:
     from engine.protocol.messages import GenerateRequest, SamplingParams
 
     t = time.perf_counter()
-    ids = [engine.submit(GenerateRequest(f"{rid}-{i}", prompt=PROMPT + " " * i, speculative=spec,
-                                         sampling=SamplingParams(max_tokens=n))) for i in range(streams)]
+    ids = [engine.submit(GenerateRequest(f"{rid}-{i}", prompt=prompt + " " * i, speculative=spec,
+                                         sampling=SamplingParams(max_tokens=n, ignore_eos=True))) for i in range(streams)]
     out = []
     for r in ids:
         events = list(engine.stream(r, timeout=600))
@@ -249,6 +271,90 @@ def throughput(target: Path, drafts: list[dict[str, Any]], k: int, tokens: int, 
     return res
 
 
+# -- a real pair: the demo models ------------------------------------------------------------------------
+def _spec_stats(totals: dict[str, int]) -> dict[str, Any]:
+    """Acceptance figures from a RingSpeculation's totals. `acceptance` is the
+    per-token rate of throughput.measured (accepted / (accepted + steps that
+    ended on a rejection), what adaptive K models); `accepted_of_drafted` is
+    the plain share of drafted tokens the target kept."""
+    proposed, accepted = totals.get("proposed", 0), totals.get("accepted", 0)
+    rejections, steps = totals.get("rejections", 0), totals.get("steps", 0)
+    trials = accepted + rejections
+    return {"acceptance": round(accepted / trials, 3) if trials else 0.0,
+            "accepted_of_drafted": round(accepted / proposed, 3) if proposed else 0.0,
+            "drafted": proposed, "accepted": accepted, "verify_steps": steps,
+            "tokens_per_step": round((accepted + steps) / steps, 3) if steps else 0.0}
+
+
+def _describe(spec: str) -> str:
+    from engine.models.demo import RECIPES
+
+    r = RECIPES.get(spec)
+    return f"{spec} ({r.description})" if r is not None else spec
+
+
+def real_pair(target_spec: str, draft_spec: str, k: int, tokens: int, repeats: int, threads: int,
+              report: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(real_pair, real_lookup): a real draft model and prompt lookup on a real target,
+    2 stages, f32, greedy, fixed K; cases alternate, medians of per-run tok/s."""
+    from engine.models import resolve_model
+    from engine.pipeline.runner import FleetConfig, launch_pipeline
+    from engine.pipeline.speculative import RingSpeculation
+    from engine.protocol.messages import SpeculativeParams
+    from engine.speculative.config import SpecConfig
+
+    eng = launch_pipeline(FleetConfig(model=target_spec, stages=2, exact=True, threads=threads))
+    rings: list[Any] = []
+    try:
+        draft = RingSpeculation(SpecConfig(draft_model=draft_spec), eng.model_id, eng.vocab_size, "CPU", "f32")
+        rings.append(draft)
+        draft._draft_model()  # resolved (built if missing) and compiled before any timing
+        draft_path = str(resolve_model(draft_spec).path)
+        lookup = RingSpeculation(SpecConfig(), eng.model_id, eng.vocab_size)
+        rings.append(lookup)
+        plain = eng.spec
+        cases = {"off": (plain, None, PROMPT), "draft": (draft, "draft", PROMPT),
+                 "lookup_off": (plain, None, LOOKUP_PROMPT), "lookup": (lookup, "lookup", LOOKUP_PROMPT)}
+        rates: dict[str, list[float]] = {name: [] for name in cases}
+        answers: dict[str, list[list[int]]] = {name: [] for name in cases}
+        _answer(eng, "real-warm", 8, None)
+        for r in range(repeats):
+            for name, (ring, mode, prompt) in cases.items():
+                eng.spec = ring
+                params = SpeculativeParams(mode, k, adaptive=False) if mode else None
+                got, sec = _answer(eng, f"real-{name}{r}", tokens, params, prompt=prompt)
+                answers[name].append(got[0])
+                rates[name].append(len(got[0]) / sec if sec > 0 else 0.0)
+            report(f"real pair, repeat {r}: " + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in rates.items()))
+        eng.spec = plain
+        draft_stats, lookup_stats = _spec_stats(draft.totals), _spec_stats(lookup.totals)
+    finally:
+        for ring in rings:
+            ring.close()
+        eng.close()
+
+    def figures(off: str, on: str, stats: dict[str, Any]) -> dict[str, Any]:
+        tok_s = {"off": _median(rates[off]), on: _median(rates[on])}
+        tok_s = {n: round(v, 2) for n, v in tok_s.items()}
+        base = answers[off][0]
+        return {"k": k, "adaptive": False, "stages": 2, "streams": 1, "repeats": repeats, "max_tokens": tokens,
+                "tokens": len(base), **stats, "tok_s": tok_s,
+                "speedup": round(tok_s[on] / tok_s["off"], 3) if tok_s["off"] else None,
+                "identical_to_greedy": all(a == base for a in answers[off] + answers[on])}
+
+    pair = figures("off", "draft", draft_stats)
+    pair = {"pair": {"synthetic": False, "target": target_spec, "draft": draft_spec, "draft_path": draft_path,
+                     "description": f"real pair: {_describe(draft_spec)} drafting for {_describe(target_spec)}; "
+                                    "two separate models sharing a tokenizer, nothing tuned for agreement"},
+            "prompt": PROMPT, **pair}
+    look = {"target": target_spec, "prompt": LOOKUP_PROMPT,
+            "description": "prompt lookup (n-grams of the context, no draft model) on the real target, "
+                           "repetitive code-like prompt", **figures("lookup_off", "lookup", lookup_stats)}
+    report(f"real pair: acceptance {pair['acceptance']}, speedup {pair['speedup']}; "
+           f"prompt lookup: acceptance {look['acceptance']}, speedup {look['speedup']}")
+    return pair, look
+
+
 # -- openvino_genai anchor ---------------------------------------------------------------------------------
 def genai_anchor(target: Path, draft: Path, k: int, tokens: int, repeats: int,
                  report: Callable[[str], None]) -> dict[str, Any]:
@@ -313,7 +419,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     repeats = args.repeats or (3 if args.quick else 5)
     contexts = [int(c) for c in args.contexts.split(",")]
     levels = [float(x) for x in args.targets.split(",")]
-    recipe = dense_recipe(args.hidden, args.layers)
+    recipe = dense_recipe(args.hidden, args.layers, heads=getattr(args, "heads", 16),
+                          kv_heads=getattr(args, "kv_heads", 4))
     report(f"building {recipe.demo_id} (first run only)")
     target = damped_target(ensure_recipe(recipe), 1, args.damp)
 
@@ -326,8 +433,20 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     d70 = next((d for d in drafts if abs(d["target_acceptance"] - 0.7) < 1e-6), drafts[len(drafts) // 2])
     genai = ({"supported": False, "reason": "skipped (--no-genai)"} if args.no_genai else
              genai_anchor(target, Path(d70["path"]), args.k, tokens, repeats, report))
+    if getattr(args, "no_real", False):
+        real = look = {"skipped": True, "reason": "--no-real"}
+    else:
+        report(f"real pair: {args.pair_draft} -> {args.pair_target}, and prompt lookup, over 2 stages")
+        real, look = real_pair(args.pair_target, args.pair_draft, args.k, tokens, repeats, args.threads, report)
     first = roll[str(contexts[0])]
+    damped = "layer 1 is" if args.layers == 2 else f"layers 1..{args.layers - 1} are"
     return {
+        "pair": {"synthetic": True, "target": str(target), "draft": "noisy layer-skip copy of the target (drafts)",
+                 "description": f"synthetic pair: a random-weight Llama (hidden {args.hidden}, {args.layers} "
+                                f"layers) whose {damped} damped x{args.damp:g} (effectively one layer), "
+                                "drafted by its own embedding + layer 0 + head with calibrated weight noise: "
+                                "acceptance is set by construction, not measured on a real model pair "
+                                "(see real_pair)"},
         "model": {"hidden": args.hidden, "layers": args.layers, "damp": args.damp, "draft_layers": 1,
                   "path": str(target)},
         "decode_step_ms": {c: v["decode_step_ms"] for c, v in roll.items()},
@@ -339,7 +458,10 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         "drafts": drafts,
         "throughput": thr,
         "speedup_at_70pct": thr["speedup"].get("draft70"),
-        "identical_to_greedy": thr["identical"],
+        # every speculative answer of every run (synthetic, real pair, prompt lookup) equals plain greedy
+        "identical_to_greedy": thr["identical"] and all(r.get("identical_to_greedy", True) for r in (real, look)),
         "openvino_genai": genai,
         "decode_step_ms_at_256": first["decode_step_ms"],
+        "real_pair": real,
+        "real_lookup": look,
     }

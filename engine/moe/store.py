@@ -13,18 +13,25 @@ A blob holds one expert's gate_up [2I, H] (gate rows first, then up rows: the
 transformers 5 `gate_up_proj[e]` layout) followed by down [I->H] as [H, I],
 float32. Reads go straight from the disk into a caller's page-aligned buffer
 (a cache slot) with O_DIRECT, so benchmark figures reflect the disk and not
-the page cache; on a file system without O_DIRECT (tmpfs) the store falls
-back to buffered reads with a warning. Every blob carries a checksum that is
+the page cache; where O_DIRECT is not in effect (a file system that refuses
+it, or tmpfs/ramfs, whose pages are RAM: recent kernels accept O_DIRECT there
+but no read comes from a disk) the store falls back to buffered reads with a
+warning and says so: `io_mode` is then "buffered" and `io_fallback_reason`
+tells why, so a benchmark can refuse to present page-cache figures as disk
+ones. Every blob carries a checksum that is
 verified on read (always, or on the first read of each blob) so a corrupted
 blob is reported as an error, never turned into a wrong answer.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import logging
 import mmap
 import os
+import sys
 import threading
 import zlib
 from dataclasses import dataclass
@@ -157,6 +164,62 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, align_up(nbytes))
 
 
+# -- O_DIRECT, and whether it is really in effect ---------------------------------
+IO_MODES = ("o_direct", "buffered")
+RAM_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type magic numbers
+
+
+def fs_type(path: Path | str) -> str | None:
+    """The name of the RAM-backed file system holding `path` ("tmpfs", "ramfs"),
+    "other" for any other one, None when it cannot be told (not Linux, statfs failed)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on x86_64/aarch64); f_type first
+        if libc.statfs(os.fsencode(str(path)), buf) != 0:
+            return None
+        magic = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    except (OSError, AttributeError, ValueError):
+        return None
+    return RAM_FILE_SYSTEMS.get(magic, "other")
+
+
+def open_for_reads(path: Path | str, direct: bool = True) -> tuple[int, str | None]:
+    """Open `path` read-only, with O_DIRECT when `direct` and it is really in effect.
+
+    Returns (fd, fallback reason): the reason is None when O_DIRECT is in effect or
+    was not asked for, else why the fd is a buffered one (O_DIRECT missing on this
+    platform, refused by the file system, a probe read failing with EINVAL, or the
+    file living in RAM (tmpfs/ramfs), where reads never come from a disk)."""
+    if not direct:
+        return os.open(path, os.O_RDONLY), None
+    ram = fs_type(path)
+    if not hasattr(os, "O_DIRECT"):
+        reason = "O_DIRECT is not available on this platform"
+    elif ram in RAM_FILE_SYSTEMS.values():
+        reason = (f"the file is on {ram}, which is RAM: reads never come from a disk, "
+                  "so O_DIRECT cannot keep the page cache out of the figures")
+    else:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            reason = f"the file system refuses O_DIRECT ({e.strerror or e})"
+        else:
+            try:
+                import fcntl  # POSIX only, as O_DIRECT is
+
+                if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                    raise OSError(errno.EINVAL, "the O_DIRECT flag did not stick")
+                if os.fstat(fd).st_size >= ALIGN:  # EINVAL here on file systems that open but cannot read
+                    os.preadv(fd, [aligned_buffer(ALIGN)], 0)
+                return fd, None
+            except OSError as e:
+                os.close(fd)
+                reason = f"an O_DIRECT read fails ({e.strerror or e})"
+    return os.open(path, os.O_RDONLY), reason
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     direct: bool = True  # O_DIRECT reads (bypass the page cache); falls back with a warning
@@ -184,7 +247,8 @@ class ExpertStore:
             raise StoreError(f"expert blobs missing: {e}") from None
         if size < expect:
             raise StoreError(f"{path} is truncated ({size} bytes, the index needs {expect})")
-        self.direct = False
+        self.direct = False  # O_DIRECT in effect (see io_mode / io_fallback_reason)
+        self.io_fallback_reason: str | None = None
         self._fd = self._open(path)
         self._verified: set[Key] = set()  # blobs already checked (verify="first")
         self._lock = threading.Lock()
@@ -192,23 +256,27 @@ class ExpertStore:
         self.reads = 0  # blobs read
 
     def _open(self, path: Path) -> int:
-        if self.config.direct and hasattr(os, "O_DIRECT"):
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                probe = aligned_buffer(ALIGN)
-                os.preadv(fd, [probe], 0)  # EINVAL here on file systems without O_DIRECT
-                self.direct = True
-                return fd
-            except OSError as e:
-                try:
-                    os.close(fd)
-                except (OSError, UnboundLocalError):
-                    pass
-                log.warning("O_DIRECT is not supported for %s (%s); using buffered reads, so "
-                            "figures include the page cache", path, e.strerror or e)
-        elif self.config.direct:
-            log.warning("O_DIRECT is not available on this platform; using buffered reads")
-        return os.open(path, os.O_RDONLY)
+        fd, self.io_fallback_reason = open_for_reads(path, self.config.direct)
+        self.direct = self.config.direct and self.io_fallback_reason is None
+        if self.io_fallback_reason:
+            log.warning("O_DIRECT is not in effect for %s (%s); using buffered reads, so figures "
+                        "include the page cache", path, self.io_fallback_reason)
+        return fd
+
+    @property
+    def io_requested(self) -> str:
+        """"o_direct" or "buffered": what the config asked for."""
+        return "o_direct" if self.config.direct else "buffered"
+
+    @property
+    def io_mode(self) -> str:
+        """"o_direct" or "buffered": what reads really go through."""
+        return "o_direct" if self.direct else "buffered"
+
+    def io_info(self) -> dict[str, str | None]:
+        """{"requested", "effective", "fallback_reason"} (reason None unless O_DIRECT fell back)."""
+        return {"requested": self.io_requested, "effective": self.io_mode,
+                "fallback_reason": self.io_fallback_reason}
 
     @property
     def keys(self) -> list[Key]:

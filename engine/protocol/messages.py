@@ -60,6 +60,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off; >1 discourages repeats (CTRL rule)
     seed: int | None = None  # fixes the sampling RNG of this request
     stop: tuple[str, ...] = ()  # generation ends before any of these strings
+    ignore_eos: bool = False  # go on past end-of-sequence tokens until max_tokens or a stop string
+    #                           (benchmarks and tests: an answer's length must not depend on the weights)
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_NEW_TOKENS,
@@ -77,6 +79,7 @@ class SamplingParams:
                  and all(_is_text(s, MAX_STOP_CHARS, allow_empty=False) for s in self.stop),
                  f"stop must be at most {MAX_STOP_STRINGS} non-empty strings "
                  f"of at most {MAX_STOP_CHARS} characters")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean")
         for name in ("temperature", "top_p", "repetition_penalty"):
             _set_float(self, name)
 

@@ -56,7 +56,7 @@ class Generation:
         return cls(
             request=request, prompt_ids=list(prompt_ids), stream=stream,
             sampler=Sampler(SamplerConfig.from_params(s), prompt_ids),
-            detok=Detokenizer(tokenizer, prompt_ids, s.stop, eos_ids),
+            detok=Detokenizer(tokenizer, prompt_ids, s.stop, frozenset() if s.ignore_eos else eos_ids),
             max_new=min(s.max_tokens, context_length - len(prompt_ids)), chunk=chunk,
             t_submit=time.perf_counter() if t_submit is None else t_submit)
 

@@ -122,6 +122,8 @@ class _Sampling(_Lenient):
     stream_options: StreamOptions | None = None
     top_k: int | None = Field(default=None, description="extension: keep the k likeliest tokens (0 = off)")
     repetition_penalty: float | None = Field(default=None, description="extension: >1 discourages repeats")
+    ignore_eos: bool | None = Field(default=None, description="extension: go on past end-of-sequence tokens "
+                                                              "until max_tokens or a stop string")
     speculative: SpeculativeIn | Literal["off", "draft", "lookup"] | None = Field(
         default=None, description="extension: speculative decoding, e.g. {\"mode\": \"lookup\", \"k\": 4}")
 
@@ -238,6 +240,7 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> SamplingParams:
         "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "top_k": body.top_k, "repetition_penalty": body.repetition_penalty, "seed": body.seed,
         "stop": None if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop)),
+        "ignore_eos": body.ignore_eos,
     }
     return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
 

@@ -10,6 +10,8 @@ and finally a restart that finds the conversations again.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -125,8 +127,16 @@ def test_tab_reaches_every_control(win: MainWindow, qtbot, view: str, targets: l
 
 
 # -- chat ---------------------------------------------------------------------------------------------
+def _long_answers(panel, tokens: int) -> None:
+    """Answers of exactly `tokens` tokens unless stopped: random weights may say EOS at
+    once on some CPUs (f32 vs bf16 kernels), so a test that needs a long answer turns
+    EOS off instead of hoping the model keeps talking."""
+    panel.max_tokens.setValue(tokens)
+    panel.sampling = dataclasses.replace(panel.sampling, ignore_eos=True)
+
+
 def test_answer_streams_is_saved_and_never_stalls_the_gui(win: MainWindow, panel, qtbot) -> None:
-    panel.max_tokens.setValue(600)  # seconds of tokens at full speed
+    _long_answers(panel, 600)  # seconds of tokens at full speed
     gaps = []
     clock = QElapsedTimer()
     clock.start()
@@ -184,7 +194,7 @@ def test_shift_enter_newline_and_system_prompt(panel, qtbot) -> None:
 
 
 def test_stop_mid_stream(win: MainWindow, panel, qtbot) -> None:
-    panel.max_tokens.setValue(3000)
+    _long_answers(panel, 3000)
     _type_and_enter(qtbot, panel, "Describe the ocean in detail")
     answer = panel.conversation.turns[-1]
     qtbot.waitUntil(lambda: len(answer.text) > 20, timeout=ANSWER_TIMEOUT_MS)
@@ -264,7 +274,7 @@ def test_chat_status_shows_queued_requests(win: MainWindow, panel, qtbot) -> Non
         for p in (other, panel):
             # Long answers (seconds even at full speed), so the second one is
             # still waiting when the status is refreshed; both are stopped below.
-            p.max_tokens.setValue(3000)
+            _long_answers(p, 3000)
             p.prompt.setPlainText("Keep talking about boats")
         other.send()
         panel.send()
@@ -541,7 +551,7 @@ def test_launch_two_stage_pipeline_chat_then_kill_a_stage(win: MainWindow, plan,
 
     # A peer vanishes mid-answer: kill stage 1's process.
     win.show_view("chat")
-    panel.max_tokens.setValue(3000)
+    _long_answers(panel, 3000)
     _type_and_enter(qtbot, panel, "Describe the ocean in detail")
     long = panel.conversation.turns[-1]
     qtbot.waitUntil(lambda: len(long.text) > 20, timeout=ANSWER_TIMEOUT_MS)

@@ -72,7 +72,7 @@ for i, (prefix, addr) in enumerate(spec["stages"]):
 engine = PipelineEngine(links, Path(spec["model_dir"]), "demo",
                         PipelineConfig(return_bind=f"tcp://{spec['coord_addr']}:*", ready_timeout_s=120))
 engine.enable_recovery(Provider())
-sampling = SamplingParams(max_tokens=spec["max_tokens"])
+sampling = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True)  # faults must land mid-answer
 
 
 def req(rid, i):

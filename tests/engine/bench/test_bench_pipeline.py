@@ -49,20 +49,65 @@ def test_pipeline_scenario_is_discovered_and_private_modules_are_not():
 
 @needs_two_cores
 def test_pipeline_bench_reports_sane_figures():
-    cores = sorted(os.sched_getaffinity(0))[:2]
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)[:2]
     out = pipeline.run(_args([*TINY, "--cores", ",".join(map(str, cores))]), lambda _line: None)
     json.dumps(out)
+    assert os.sched_getaffinity(0) == before  # the bench process's pinning is undone
     assert out["model"]["layers"] == 4 and out["ranges"] == [[0, 2], [2, 4]]
     assert out["threads_per_process"] == 1 and out["cores"] == cores
-    for name in ("monolithic", "monolithic_engine", "pipeline_2stages"):
+    for name in ("monolithic", "monolithic_engine", "pipeline_2stages", "data_parallel"):
         assert set(out["aggregate_tok_s"][name]) == {"1", "2"}
         assert all(isinstance(v, float) and v > 0 for v in out["aggregate_tok_s"][name].values())
     assert isinstance(out["speedup_2streams"], float) and out["speedup_2streams"] > 0
     assert out["speedup_2streams"] == pytest.approx(
         out["aggregate_tok_s"]["pipeline_2stages"]["2"] / out["aggregate_tok_s"]["monolithic"]["1"], rel=1e-2)
+    tok_s = out["aggregate_tok_s"]
+    assert out["speedup_vs_monolithic"] == out["speedup_2streams"]
+    assert out["pipeline_over_data_parallel"] == out["pipeline_over_data_parallel_by_streams"]["2"]
+    assert set(out["pipeline_over_data_parallel_by_streams"]) == {"1", "2"}
+    for n, ratio in out["pipeline_over_data_parallel_by_streams"].items():
+        assert ratio == pytest.approx(tok_s["pipeline_2stages"][n] / tok_s["data_parallel"][n], rel=1e-2)
+    assert out["data_parallel_streams_split"] == {"1": [1, 0], "2": [1, 1]}
+    assert len(out["pipeline_over_data_parallel_per_repeat"]) == 1
+    _check_pinning(out, cores, before)
     assert "network" not in out  # quick: loopback only
     assert len(out["stage_compute_ms_mean"]) == 2
     assert not [c for c in _my_children() if "engine.pipeline.worker" in c or "_child_main" in c]
+
+
+def test_coordinator_gets_a_spare_core_or_shares_its_stages_cores():
+    from engine.bench._replicas import plan_pinning, split_streams
+
+    own = plan_pinning([0, 1], {0, 1, 2, 3})
+    assert own["mode"] == "own_core" and own["coordinator"] == own["coordinator_1stage"] == [2]
+    shared = plan_pinning([0, 1], {0, 1, 2, 3}, "shared")
+    assert shared["mode"] == "shared_with_stages" and shared["coordinator"] == [0, 1]
+    assert shared["coordinator_1stage"] == [0] and plan_pinning([0, 1], {0, 1})["coordinator"] == [0, 1]
+    with pytest.raises(SystemExit):
+        plan_pinning([0, 1], {0, 1}, "own")
+    assert [split_streams(n, 2) for n in (1, 2, 3, 4)] == [[1, 0], [1, 1], [2, 1], [2, 2]]
+
+
+def _check_pinning(out: dict, cores: list[int], allowed: set[int]) -> None:
+    """Every process reported one valid share of cores; stages and replicas do not overlap."""
+    pin = out["pinning"]
+    assert pin["allowed"] == sorted(allowed) and isinstance(out["pinning_note"], str) and out["pinning_note"]
+    stages = pin["pipeline_2stages"]["stages"]
+    assert stages == [[cores[0]], [cores[1]]] and not set(stages[0]) & set(stages[1])
+    assert pin["data_parallel"] == stages  # the replicas use the stage cores, one each
+    assert pin["monolithic"] == [cores[0]] and pin["monolithic_engine"]["stages"] == [[cores[0]]]
+    assert pin["curve_rings"]["stages"] == stages
+    coord, coord1 = pin["pipeline_2stages"]["coordinator"], pin["monolithic_engine"]["coordinator"]
+    assert pin["bench_process"] == pin["curve_rings"]["coordinator"] == coord
+    for share in (coord, coord1, *stages):
+        assert share and share == sorted(set(share)) and set(share) <= allowed
+    spare = sorted(allowed - set(cores))
+    if spare:  # a core of their own, away from every stage and baseline
+        assert pin["coordinator_mode"] == "own_core" and coord == coord1 == [spare[0]]
+    else:  # the cores of the stages each coordinator drives
+        assert pin["coordinator_mode"] == "shared_with_stages"
+        assert coord == sorted(cores) and coord1 == [cores[0]]
 
 
 @pytest.mark.skipif(_netns.available() is not None, reason=str(_netns.available()))

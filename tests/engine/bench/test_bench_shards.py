@@ -43,7 +43,22 @@ def test_shards_bench_reports_sane_figures():
                 "split_over_whole_without_fix"):
         assert isinstance(out[key], float) and out[key] > 0, key
     assert out["split_over_whole"] == pytest.approx(out["split_ms"] / out["whole_ms"], rel=1e-2)
-    assert len(out["split_over_whole_per_repeat"]) == 2
+    assert out["split_over_whole_without_fix"] == pytest.approx(out["split_without_fix_ms"] / out["whole_ms"],
+                                                                rel=1e-2)
+    for key in ("split_over_whole_per_repeat", "split_over_whole_without_fix_per_repeat"):
+        assert len(out[key]) == 2 and all(isinstance(r, float) and r > 0 for r in out[key]), key
+        # Two repeats: the medians are means, and (a1 + a2) / (b1 + b2) lies between a1 / b1 and a2 / b2.
+        assert min(out[key]) - 1e-3 <= out[key.removesuffix("_per_repeat")] <= max(out[key]) + 1e-3, key
+    # The run's settings are echoed as given.
+    assert (out["stages"], out["context_tokens"], out["timed_tokens_per_repeat"], out["warmup_tokens"],
+            out["repeats"]) == (2, 16, 3, 1, 2)
+    assert out["threads"] == "default" and out["exact_f32"] is False
+    assert "whole_without_fix_ms" not in out  # quick: the unfused whole model is not run
+    assert out["goals"] == {"split_over_whole": 1.05}
+    assert all(len(out["loadavg"][k]) == 3 for k in ("before", "after"))
+    m = out["model"]
+    assert m["params_m"] == pytest.approx(m["f32_weights_mb"] / 4, abs=0.1)  # f32: 4 bytes a parameter
+    assert (m["heads"], m["kv_heads"], m["intermediate"]) == (4, 2, 192)  # 2.75 x 64, rounded to 64
     # Fusion is structural, not a speed: it must hold on any machine.
     assert out["fused_sdpa_all_shards"] is True
     assert out["fused_sdpa_nodes"] == {"whole": [4], "split": [2, 2], "split_nofix": [0, 0]}

@@ -78,7 +78,7 @@ def test_cancel_mid_generation(moe_model):
     _path, store_dir = moe_model("mixtral")
     index = ExpertStore(store_dir).index
     with MoEEngine(store_dir, "t", MoEConfig(cache_budget_bytes=2 * index.blob_bytes)) as eng:
-        rid = eng.submit(GenerateRequest("c", prompt="Once", sampling=SamplingParams(max_tokens=2000)))
+        rid = eng.submit(GenerateRequest("c", prompt="Once", sampling=SamplingParams(max_tokens=2000, ignore_eos=True)))
         other = eng.submit(GenerateRequest("d", prompt="Twice", sampling=SamplingParams(max_tokens=3)))
         stream = eng.stream(rid, timeout=30)
         next(stream)

@@ -64,7 +64,7 @@ def test_plan_that_does_not_fit_is_refused_before_anything_launches(demo_dir, mo
 
 
 def test_cancel_ends_the_request_and_frees_every_stage(engine):
-    rid = engine.submit(GenerateRequest("cancel-me", messages=HELLO, sampling=SamplingParams(max_tokens=2000)))
+    rid = engine.submit(GenerateRequest("cancel-me", messages=HELLO, sampling=SamplingParams(max_tokens=2000, ignore_eos=True)))
     events = []
     for ev in engine.stream(rid, timeout=30):
         events.append(ev)
@@ -132,7 +132,7 @@ def test_killed_stage_is_reported_by_name_within_5s(demo_dir):
     eng = launch_pipeline(FleetConfig(model="demo", stages=3, exact=True, recover=False))  # the no-recovery path
     try:
         victim = eng.stages[1]
-        rids = [eng.submit(GenerateRequest(f"k{i}", messages=HELLO, sampling=SamplingParams(max_tokens=3000)))
+        rids = [eng.submit(GenerateRequest(f"k{i}", messages=HELLO, sampling=SamplingParams(max_tokens=3000, ignore_eos=True)))
                 for i in range(2)]
         streams = [eng.stream(r, timeout=10) for r in rids]
         for s in streams:

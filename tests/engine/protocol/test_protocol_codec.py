@@ -192,10 +192,11 @@ def _drop(path):
 BAD_WIRE = {
     "unknown_kind": (_req, _set(["k"], "launch_missiles"), "unknown_kind"),
     "kind_not_str": (_req, _set(["k"], 7), "malformed"),
-    "version_2": (_req, _set(["v"], 2), "version"),
+    "version_next": (_req, _set(["v"], PROTOCOL_VERSION + 1), "version"),
+    "version_previous": (_req, _set(["v"], PROTOCOL_VERSION - 1), "version"),
     "version_0": (_req, _set(["v"], 0), "version"),
     "version_bool": (_req, _set(["v"], True), "version"),
-    "version_str": (_req, _set(["v"], "1"), "version"),
+    "version_str": (_req, _set(["v"], str(PROTOCOL_VERSION)), "version"),
     "envelope_extra": (_req, _set(["x"], 1), "malformed"),
     "envelope_missing": (_req, _drop(["b"]), "malformed"),
     "body_not_map": (_req, _set(["b"], [1, 2]), "malformed"),

@@ -30,7 +30,7 @@ engine = LocalEngine.from_spec("demo")
 print(json.dumps({"event": "ready", "cid": cid}), flush=True)
 rid = engine.submit(GenerateRequest("a", messages=(ChatMessage("system", "Be brief"),
                                                    ChatMessage("user", "Tell me a long story about a robot.")),
-                                    sampling=SamplingParams(max_tokens=4000)))
+                                    sampling=SamplingParams(max_tokens=4000, ignore_eos=True)))
 text = ""
 for n, ev in enumerate(engine.stream(rid)):
     text += ev.text

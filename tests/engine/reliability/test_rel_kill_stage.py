@@ -147,7 +147,7 @@ def test_when_nothing_can_host_the_user_is_told_why(demo_dir):
             raise RecoveryImpossible("no peer has 40 MB free for layers 4–8")
 
         eng.enable_recovery(nobody)
-        rid = eng.submit(GenerateRequest("x", messages=_prompt(0), sampling=SamplingParams(max_tokens=3000)))
+        rid = eng.submit(GenerateRequest("x", messages=_prompt(0), sampling=SamplingParams(max_tokens=3000, ignore_eos=True)))
         it = eng.stream(rid, timeout=30)
         first = next(it)
         os.kill(eng.stages[1].proc.pid, signal.SIGKILL)

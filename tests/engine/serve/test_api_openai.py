@@ -192,7 +192,7 @@ def test_stream_disconnect_cancels_the_engine_request(server, engine, monkeypatc
         done.set()
 
     monkeypatch.setattr(engine, "cancel", spy)
-    body = {"model": "demo", "messages": CHAT, "max_tokens": 3000, "stream": True}
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 3000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=30) as r:
         data = (line[6:] for line in r.iter_lines() if line.startswith("data: "))
         rid = json.loads(next(data))["id"]

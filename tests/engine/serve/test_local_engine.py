@@ -56,7 +56,7 @@ def test_stop_string_truncates_the_answer(engine):
 
 
 def test_cancel_mid_stream(engine):
-    rid = engine.submit(req("cancel", max_tokens=200))
+    rid = engine.submit(req("cancel", max_tokens=200, ignore_eos=True))
     seen = 0
     for ev in engine.stream(rid, timeout=30):
         seen += len(ev.token_ids)
@@ -90,8 +90,8 @@ def test_prompt_longer_than_context_is_an_error(engine):
 
 def test_context_caps_the_answer(engine):
     n_prompt = len(chat_ids(engine.tokenizer, STORY))
-    ids, _, final = collect(engine.generate(req("cap", max_tokens=1000)))
-    assert final.finish_reason in ("length", "stop") and len(ids) <= 256 - n_prompt
+    ids, _, final = collect(engine.generate(req("cap", max_tokens=1000, ignore_eos=True)))
+    assert final.finish_reason == "length" and len(ids) == 256 - n_prompt
 
 
 def test_failing_request_does_not_kill_the_engine(engine, monkeypatch):
@@ -137,14 +137,14 @@ def test_compile_cache_and_ir_folder_input(engine, demo_path, flotilla_cache):
 
 def test_close_ends_running_requests_with_error(demo_path):
     eng = LocalEngine(demo_path, "demo", precision="f32")
-    rid = eng.submit(req("run", max_tokens=4000))
+    rid = eng.submit(req("run", max_tokens=4000, ignore_eos=True))
     it = eng.stream(rid, timeout=30)
     next(it)
     closer = threading.Thread(target=eng.close)
     closer.start()
     final = list(it)[-1]
     closer.join(timeout=30)
-    assert final.finish_reason in ("error", "stop")  # "stop" only if EOS came first
+    assert final.finish_reason == "error"
     with pytest.raises(EngineError):
         eng.submit(req("late"))
 

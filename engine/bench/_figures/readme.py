@@ -1,0 +1,61 @@
+"""The README's figure tables (see engine/bench/_figures/__init__.py for the rules)."""
+
+from __future__ import annotations
+
+from engine.bench._report import REPO_ROOT, Row, Table
+
+Q = "`flotilla bench {} --quick`"
+
+README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
+    Row("demo models built (all four, empty cache)", "{local-quick:build_demos_s|f1} s", Q.format("local")),
+    Row("local engine, decode (greedy, after a warm-up answer)",
+        "{local-quick:engine.demo.decode_tok_s|int} tok/s (`demo`), "
+        "{local-quick:engine.demo-qwen3.decode_tok_s|int} (`demo-qwen3`), "
+        "{local-quick:engine.demo-moe.decode_tok_s|int} (`demo-moe`)", Q.format("local")),
+    Row("local engine, time to first token (warm engine)",
+        "{local-quick:engine.demo.ttft_ms|f1} ms (`demo`)", Q.format("local")),
+    Row("`flotilla chat -p` launch → first streamed byte",
+        "cold (export + compile) {local-quick:launch_first_byte_s.cold|f1} s, "
+        "warm {local-quick:launch_first_byte_s.warm|f1} s", Q.format("local")),
+    Row("split model vs whole (fused stateful KV), per-token time",
+        "`split_over_whole` {shards-quick:split_over_whole|f2}; fused SDPA in every shard: "
+        "{shards-quick:fused_sdpa_all_shards}", Q.format("shards") + " (93 M Llama, f32 shards)"),
+    Row("pipeline, 2 stages × 2 streams, aggregate tok/s",
+        "{pipeline-quick:aggregate_tok_s.pipeline_2stages.2|f1} vs monolithic 1 stream "
+        "{pipeline-quick:aggregate_tok_s.monolithic.1|f1} → {pipeline-quick:speedup_2streams|x} (goal 1.85×); "
+        "vs two whole-model replicas (data parallel, 2 streams) "
+        "{pipeline-quick:aggregate_tok_s.data_parallel.2|f1} → {pipeline-quick:pipeline_over_data_parallel|x}",
+        Q.format("pipeline") + " (93 M Llama, loopback, 1 core per stage)"),
+    Row("CurveZMQ on the data plane (measured, paired runs)",
+        "{pipeline-quick:curve_overhead|pct} slower at 2 streams (goal < 3 %)", Q.format("pipeline")),
+    Row("speculative decoding: mask rollback vs physical trim",
+        "{spec-quick:mask_rollback_ms.1024|f2} ms vs {spec-quick:trim_rollback_ms.1024|f1} ms at context 1024 "
+        "({spec-quick:trim_rollback_ms.4096|f1} ms at 4096; a decode step is "
+        "{spec-quick:decode_step_ms.1024|f1} ms)", Q.format("spec")),
+    Row("speculative decoding, 2 stages, K = 4, **synthetic** pair at 70 % acceptance",
+        "{spec-quick:speedup_at_70pct|x}, output identical to greedy: {spec-quick:identical_to_greedy}",
+        Q.format("spec") + " (damped target, noisy copy of its layer 0 as draft)"),
+    Row("speculative decoding, real pair `demo-draft` → `demo` (random weights)",
+        "acceptance {spec-quick:real_pair.acceptance|pct}, {spec-quick:real_pair.speedup|x}", Q.format("spec")),
+    Row("MoE offloading, 16 requests, cache 25 % of experts",
+        "Bevy {moe-quick:speedup_vs_on_demand|x} over on-demand, {moe-quick:speedup_vs_prefetch|x} over prefetch "
+        "(I/O: {moe-quick:io.effective})", Q.format("moe")),
+    Row("sparse FFN, cap 50 % of FFN bytes",
+        "{sparse-quick:speedup_vs_mmap|x} over mmap under a cgroup cap, {sparse-quick:speedup_vs_on_demand|x} "
+        "vs on-demand (I/O: {sparse-quick:io.effective})", Q.format("sparse")),
+    Row("chaos: 3 stages, 16 streams, a stage killed every few s",
+        "{chaos-quick:completed|int} of {chaos-quick:submitted|int} completed, "
+        "{chaos-quick:duplicated_tokens|int} duplicated, {chaos-quick:lost_tokens|int} lost tokens; "
+        "max recovery {chaos-quick:max_recovery_s|f1} s (goal {chaos-quick:recovery_goal_s|f0} s)",
+        Q.format("chaos")),
+))
+
+README_MODELLED = Table("readme-modelled", ("what", "modelled figure", "model"), (
+    Row("CurveZMQ cost per data-plane hop",
+        "+{pipeline-quick:curve_hop_us.added_per_round_trip|f0} µs per round trip → "
+        "{pipeline-quick:curve_overhead_model|pct} of throughput",
+        "measured hop cost × (stages + 1) hops / time per token (`engine/bench/_curve.py`)"),
+))
+
+FILE = REPO_ROOT / "README.md"
+TABLES = (README_MEASURED, README_MODELLED)

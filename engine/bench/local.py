@@ -1,0 +1,156 @@
+"""`flotilla bench local`: what a new user sees first, measured.
+
+- building the demo models into an empty cache (`flotilla models build-demos`);
+- `flotilla chat -p …` from launch to its first streamed byte: cold (export to
+  OpenVINO IR + compile, empty cache) and warm (everything cached);
+- the local engine on each demo model, in this process: decode tok/s and time
+  to first token of a greedy answer, after one warm-up request.
+
+Everything runs against a fresh cache folder of its own, so the user's cache is
+neither used nor touched. Repeats are medians; each repeat's figures are kept.
+The demo models have random weights: an answer may end at EOS before
+--tokens, so the JSON keeps the number of tokens each figure is over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+NAME = "local"
+HELP = "the local engine on the demo models: build time, launch to first byte, decode tok/s, TTFT"
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "Tell me a story about the sea"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="demo,demo-qwen3,demo-moe", help="comma-separated demo ids")
+    p.add_argument("--tokens", type=int, default=None, help="new tokens per answer (default 128; quick 64)")
+    p.add_argument("--repeats", type=int, default=3, help="measured answers per model, and warm launches")
+
+
+def _env(cache: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["FLOTILLA_CACHE"] = str(cache)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "engine.cli.main", *argv]
+
+
+def time_build(cache: Path) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(_cli("models", "build-demos"), env=_env(cache), check=True, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=900)
+    return time.perf_counter() - t0
+
+
+def time_first_byte(cache: Path, model: str, timeout: float = 600.0) -> float:
+    """Seconds from exec of `flotilla chat -p` to the first byte on its stdout."""
+    argv = _cli("chat", "--model", model, "-p", PROMPT, "--max-tokens", "8")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, env=_env(cache), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready or not os.read(proc.stdout.fileno(), 1):
+            raise RuntimeError(f"`flotilla chat --model {model}` printed nothing in {timeout:.0f} s")
+        first = time.perf_counter() - t0
+        proc.stdout.read()
+        if proc.wait(timeout) != 0:
+            raise RuntimeError(f"`flotilla chat --model {model}` exited with {proc.returncode}")
+        return first
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def engine_figures(cache: Path, model: str, tokens: int, repeats: int) -> dict[str, Any]:
+    """Decode tok/s and TTFT of greedy answers on a warm LocalEngine."""
+    from engine.models.ref import resolve_model
+    from engine.protocol.messages import GenerateRequest, SamplingParams
+    from engine.serve.local import LocalEngine
+
+    old = os.environ.get("FLOTILLA_CACHE")
+    os.environ["FLOTILLA_CACHE"] = str(cache)
+    try:
+        ref = resolve_model(model)
+        engine = LocalEngine(ref.path, model)
+    finally:
+        if old is None:
+            os.environ.pop("FLOTILLA_CACHE", None)
+        else:
+            os.environ["FLOTILLA_CACHE"] = old
+    runs: list[dict[str, float]] = []
+    try:
+        for i in range(repeats + 1):  # the first answer warms up and is not counted
+            req = GenerateRequest(f"bench-local-{model}-{i}", prompt=PROMPT,
+                                  sampling=SamplingParams(max_tokens=tokens, ignore_eos=True))
+            final = None
+            for ev in engine.stream(engine.submit(req), timeout=600):
+                final = ev
+            if final is None or final.finish_reason == "error" or final.timings is None or final.usage is None:
+                raise RuntimeError(f"{model}: the answer failed: {getattr(final, 'error', None)}")
+            if i == 0:
+                continue
+            runs.append({"decode_tok_s": round(final.timings.decode_tok_s, 2),
+                         "ttft_ms": round(final.timings.ttft_s * 1000, 2),
+                         "tokens": final.usage.completion_tokens})
+    finally:
+        engine.close()
+    return {
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+        "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+        "tokens": min(r["tokens"] for r in runs),
+        "per_repeat": runs,
+    }
+
+
+def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    quick = bool(getattr(args, "quick", False))
+    tokens = args.tokens or (64 if quick else 128)
+    repeats = max(1, args.repeats)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    cache = Path(tempfile.mkdtemp(prefix="flotilla-bench-local-"))
+    try:
+        report(f"building the demo models into an empty cache ({cache})")
+        build_s = time_build(cache)
+        report(f"  {build_s:.1f} s")
+        first = models[0]
+        report(f"launch to first byte, cold ({first}: export + compile)")
+        cold = time_first_byte(cache, first)
+        warm = []
+        for i in range(repeats):
+            warm.append(time_first_byte(cache, first))
+            report(f"  warm {i + 1}/{repeats}: {warm[-1]:.2f} s")
+        per_model = {}
+        for m in models:
+            report(f"local engine: {m}, {tokens} tokens x {repeats}")
+            per_model[m] = engine_figures(cache, m, tokens, repeats)
+            report(f"  {per_model[m]['decode_tok_s']:.0f} tok/s, TTFT {per_model[m]['ttft_ms']:.1f} ms")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return {
+        "tokens_requested": tokens,
+        "repeats": repeats,
+        "prompt": PROMPT,
+        "build_demos_s": round(build_s, 2),
+        "launch_first_byte_s": {"model": first, "cold": round(cold, 2), "warm": round(statistics.median(warm), 2),
+                                "warm_per_repeat": [round(w, 2) for w in warm]},
+        "engine": per_model,
+    }

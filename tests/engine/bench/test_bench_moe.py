@@ -1,0 +1,255 @@
+"""`flotilla bench moe` on a tiny model: the JSON is complete and consistent, the I/O
+mode it reports is the one in effect, and no speedup is reported when O_DIRECT was
+asked for but reads went through the page cache. No speed assertions.
+
+Also the expert store's own account of its I/O mode (io_mode / io_fallback_reason):
+O_DIRECT on the repository's disk, buffered with a reason on tmpfs (whose pages are
+RAM; recent kernels accept O_DIRECT there, so the store must tell it apart itself)
+and when the file system refuses O_DIRECT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from engine.bench import moe  # noqa: E402
+from engine.cli.bench_cmd import scenarios  # noqa: E402
+from engine.moe import store as store_mod  # noqa: E402
+from engine.moe.store import IO_MODES, ExpertStore, StoreConfig, aligned_buffer, fs_type  # noqa: E402
+
+LAYERS, EXPERTS = 2, 8
+TINY = ["--layers", str(LAYERS), "--experts", str(EXPERTS), "--hidden", "64", "--expert-inter", "128",
+        "--tokens", "3"]
+REPO_SCRATCH = Path(__file__).resolve().parents[3] / ".cache"  # the repository's disk, whatever FLOTILLA_CACHE is
+SCHEDS = {"bevy", "on_demand", "prefetch", "resident"}
+
+
+def _args(extra: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    moe.add_arguments(p)
+    return p.parse_args(["--quick", *extra])
+
+
+@pytest.fixture(scope="module")
+def tiny_store() -> Path:
+    """The expert store of the benchmark's tiny model (built once, in the Flotilla cache)."""
+    from engine.models.demo import ensure_recipe
+    from engine.moe.convert import ensure_store
+    from engine.moe.recipes import bench_recipe
+
+    recipe = bench_recipe(LAYERS, EXPERTS, 64, 128)
+    return ensure_store(ensure_recipe(recipe), recipe.fingerprint())
+
+
+def _speedup_keys(d: dict, path: tuple = ()) -> list[tuple]:
+    """Every key holding a speedup figure (goals are targets, not figures)."""
+    keys = []
+    for k, v in d.items():
+        if k.startswith("goal") or k == "speedup_refused":
+            continue
+        if "speedup" in k:
+            keys.append(path + (k,))
+        elif isinstance(v, dict):
+            keys += _speedup_keys(v, path + (k,))
+    return keys
+
+
+def _get(d: dict, path: tuple):
+    for part in path:
+        d = d[part]
+    return d
+
+
+def test_moe_scenario_is_discovered():
+    assert scenarios()["moe"] is moe
+
+
+# -- the store: which I/O mode is really in effect ------------------------------------------
+def test_expert_store_reads_o_direct_on_the_repo_disk_and_buffered_on_tmpfs(tiny_store, caplog):
+    REPO_SCRATCH.mkdir(parents=True, exist_ok=True)
+    disk = Path(tempfile.mkdtemp(prefix="test-moe-io-", dir=REPO_SCRATCH))
+    try:
+        shutil.copytree(tiny_store, disk / "store")
+        assert fs_type(disk) == "other", f"{disk} should be on the repository's disk, not in RAM"
+        on_disk = ExpertStore(disk / "store")
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)  # the open fd keeps the file readable
+    try:
+        assert on_disk.io_mode == "o_direct" and on_disk.direct
+        assert on_disk.io_fallback_reason is None
+        assert on_disk.io_info() == {"requested": "o_direct", "effective": "o_direct", "fallback_reason": None}
+        key = on_disk.keys[-1]
+        want = aligned_buffer(on_disk.index.blob_bytes)
+        on_disk.read_into(key, want)
+    finally:
+        on_disk.close()
+
+    if fs_type("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    shm = Path(tempfile.mkdtemp(prefix="flotilla-test-moe-", dir="/dev/shm"))
+    try:
+        copy = shm / "store"
+        shutil.copytree(tiny_store, copy)
+        with caplog.at_level(logging.WARNING, logger="engine.moe.store"):
+            in_ram = ExpertStore(copy)
+        try:
+            assert in_ram.io_mode == "buffered" and not in_ram.direct
+            assert "tmpfs" in in_ram.io_fallback_reason
+            assert in_ram.io_info() == {"requested": "o_direct", "effective": "buffered",
+                                        "fallback_reason": in_ram.io_fallback_reason}
+            assert any("O_DIRECT is not in effect" in r.getMessage() and "tmpfs" in r.getMessage()
+                       for r in caplog.records)
+            got = aligned_buffer(in_ram.index.blob_bytes)
+            in_ram.read_into(key, got)  # buffered reads still verify and give the same bytes
+            assert bytes(got) == bytes(want)
+        finally:
+            in_ram.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_expert_store_falls_back_when_the_file_system_refuses_o_direct(tiny_store, monkeypatch, caplog):
+    real_open = os.open
+
+    def refusing_open(path, flags, *a, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(store_mod.os, "open", refusing_open)
+    with caplog.at_level(logging.WARNING, logger="engine.moe.store"):
+        s = ExpertStore(tiny_store)
+    try:
+        assert s.io_mode == "buffered" and not s.direct
+        assert "refuses O_DIRECT" in s.io_fallback_reason and "Invalid argument" in s.io_fallback_reason
+        assert any("O_DIRECT is not in effect" in r.getMessage() for r in caplog.records)
+        s.read_into(s.keys[0], aligned_buffer(s.index.blob_bytes))
+    finally:
+        s.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.moe.store"):
+        b = ExpertStore(tiny_store, StoreConfig(direct=False))  # buffered on purpose: no fallback, no warning
+    try:
+        assert b.io_info() == {"requested": "buffered", "effective": "buffered", "fallback_reason": None}
+        assert not caplog.records
+    finally:
+        b.close()
+
+
+# -- the benchmark -----------------------------------------------------------------------
+def test_moe_bench_reports_consistent_figures():
+    lines: list[str] = []
+    out = moe.run(_args([*TINY, "--repeats", "2", "--concurrency", "1,2"]), lines.append)
+    json.dumps(out)  # serialisable as the CLI writes it
+    m = out["model"]
+    assert m["layers"] == LAYERS and m["experts_per_layer"] == EXPERTS and m["top_k"] == 2
+    assert m["expert_mb"] > 0 and m["all_experts_mb"] == pytest.approx(m["expert_mb"] * LAYERS * EXPERTS, abs=0.1)
+    assert out["cache_fraction"] == 0.25
+    assert out["cache_budget_mb"] == pytest.approx(m["all_experts_mb"] * 0.25, abs=0.1)
+    assert out["tokens_per_request"] == 3 and out["repeats"] == 2
+
+    io = out["io"]
+    assert set(io) == {"requested", "effective", "fallback_reason"}
+    assert io["requested"] == "o_direct" and io["effective"] in IO_MODES
+    assert out["o_direct"] is (io["effective"] == "o_direct")  # the effective mode, not the request
+    assert (io["fallback_reason"] is None) == (io["effective"] == "o_direct")
+
+    assert len(out["disk_mb_s_per_repeat"]) == 2 and all(d > 0 for d in out["disk_mb_s_per_repeat"])
+    assert out["disk_mb_s"] == pytest.approx(statistics.median(out["disk_mb_s_per_repeat"]), abs=0.1)
+
+    res = out["results"]
+    assert set(res) == SCHEDS
+    for sched, by_conc in res.items():
+        assert set(by_conc) == {"1", "2"}, sched
+        for conc, r in by_conc.items():
+            where = f"{sched} c={conc}"
+            assert r["tok_s"] > 0 and r["s_per_token"] > 0 and r["tpot_s"] >= 0, where
+            assert 0 <= r["hit_rate"] <= 1, where
+            assert r["mb_per_token"] >= 0 and r["disk_mb_s_busy"] >= 0, where
+            assert 0 <= r["compute_frac"] <= 1 and r["io_busy_frac"] >= 0, where
+            assert 0 <= r["mean_group"] <= int(conc) and r["mean_batch"] >= 0, where
+            if sched == "resident":  # every expert preloaded: nothing is read while measuring
+                assert r["hit_rate"] == 1.0 and r["mb_per_token"] == 0.0, where
+            else:  # the cache (25 %) starts empty: the experts a token needs must be read
+                assert r["mb_per_token"] > 0, where
+
+    # Speedups are the ratios of the reported figures (or refused, with the reason).
+    assert out["concurrency_for_speedups"] == 2
+    assert out["goals"] == {"speedup_vs_on_demand": 3.5, "speedup_vs_prefetch": 1.6}
+    speedups = _speedup_keys(out)
+    assert {("speedup_vs_on_demand",), ("speedup_vs_prefetch",), ("speedup_vs_on_demand_per_repeat",),
+            ("speedup_vs_prefetch_per_repeat",)} <= set(speedups)
+    if io["effective"] != "o_direct":  # e.g. FLOTILLA_CACHE on a tmpfs
+        assert "page cache" in out["speedup_refused"]
+        assert all(_get(out, k) is None for k in speedups)
+        return
+    assert "speedup_refused" not in out
+    b = res["bevy"]["2"]["tok_s"]
+    assert out["speedup_vs_on_demand"] == pytest.approx(b / res["on_demand"]["2"]["tok_s"], abs=1e-3)
+    assert out["speedup_vs_prefetch"] == pytest.approx(b / res["prefetch"]["2"]["tok_s"], abs=1e-3)
+    for key in ("speedup_vs_on_demand_per_repeat", "speedup_vs_prefetch_per_repeat"):
+        assert len(out[key]) == 2 and all(x > 0 for x in out[key]), key
+
+    bound = out["overlap_bound"]
+    assert set(bound) == {"1", "2"}
+    for c, row in bound.items():
+        compute = res["resident"][c]["s_per_token"]
+        io_s = res["bevy"][c]["mb_per_token"] / out["disk_mb_s"]
+        assert row["compute_s_per_token"] == pytest.approx(compute, abs=1e-4)
+        assert row["io_s_per_token"] == pytest.approx(io_s, rel=1e-2, abs=1e-5)
+        assert row["bound_s_per_token"] == pytest.approx(max(row["compute_s_per_token"], row["io_s_per_token"]),
+                                                         abs=1e-5)
+        assert row["serial_s_per_token"] == pytest.approx(
+            compute + res["on_demand"][c]["mb_per_token"] / out["disk_mb_s"], rel=1e-2, abs=1e-4)
+        assert row["max_speedup_vs_on_demand"] == pytest.approx(
+            res["on_demand"][c]["s_per_token"] / row["bound_s_per_token"], rel=2e-2)
+        for sched in ("bevy", "on_demand", "prefetch"):
+            assert row[f"{sched}_s_per_token"] == res[sched][c]["s_per_token"]
+            assert row[f"{sched}_vs_bound"] == pytest.approx(row["bound_s_per_token"] / res[sched][c]["s_per_token"],
+                                                             rel=2e-2)
+    assert any("repeat 2/2" in line for line in lines)
+
+
+def test_moe_bench_refuses_speedups_when_o_direct_is_not_in_effect(monkeypatch, caplog):
+    # As if the store lived on tmpfs: O_DIRECT is requested, reads are buffered.
+    monkeypatch.setattr(store_mod, "fs_type", lambda _path: "tmpfs")
+    lines: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="engine.moe.store"):
+        out = moe.run(_args([*TINY, "--repeats", "1", "--concurrency", "2"]), lines.append)
+    json.dumps(out)
+    assert out["io"]["requested"] == "o_direct" and out["io"]["effective"] == "buffered"
+    assert "tmpfs" in out["io"]["fallback_reason"] and out["o_direct"] is False
+    assert "O_DIRECT was requested" in out["speedup_refused"] and "tmpfs" in out["speedup_refused"]
+    speedups = _speedup_keys(out)
+    assert {("speedup_vs_on_demand",), ("speedup_vs_prefetch",),
+            ("overlap_bound", "2", "max_speedup_vs_on_demand")} <= set(speedups)
+    assert all(_get(out, k) is None for k in speedups), {k: _get(out, k) for k in speedups}
+    assert out["goals"] == {"speedup_vs_on_demand": 3.5, "speedup_vs_prefetch": 1.6}  # targets stay
+    assert all(r["tok_s"] > 0 for by_conc in out["results"].values() for r in by_conc.values())  # figures stay
+    assert any("speedups refused" in line for line in lines)
+    assert any("O_DIRECT is not in effect" in r.getMessage() for r in caplog.records)
+
+
+def test_moe_bench_reports_speedups_of_a_buffered_run_asked_for():
+    out = moe.run(_args([*TINY, "--repeats", "1", "--concurrency", "2", "--schedulers", "bevy,on_demand,prefetch",
+                         "--buffered"]), lambda _line: None)
+    assert out["io"] == {"requested": "buffered", "effective": "buffered", "fallback_reason": None}
+    assert out["o_direct"] is False and "speedup_refused" not in out
+    res = out["results"]
+    assert out["speedup_vs_on_demand"] == pytest.approx(res["bevy"]["2"]["tok_s"] / res["on_demand"]["2"]["tok_s"],
+                                                        abs=1e-3)
+    assert "overlap_bound" not in out  # no resident run, no bound
