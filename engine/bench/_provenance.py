@@ -23,20 +23,26 @@ RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni"
                   "amx_bf16", "amx_int8", "amx_tile")
 
 
+# What a run measures: a change elsewhere (docs/, tests/, a Markdown file) does not
+# make its figures those of another code.
+CODE_PATHS = ("engine/", "app/", "assets/", "pyproject.toml")
+
+
 def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """HEAD's hash and whether the work tree differed from it (a dirty run is not the commit)."""
+    """HEAD's hash, and the code files that differed from it (a dirty run is not the commit)."""
     def git(*argv: str) -> str:
         res = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, timeout=10)
         if res.returncode != 0:
             raise RuntimeError(res.stderr.strip() or "git failed")
-        return res.stdout.strip()
+        return res.stdout
 
     try:
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+        commit = git("rev-parse", "HEAD").strip()
+        changed = [line[3:].strip() for line in git("status", "--porcelain", "--untracked-files=all").splitlines()]
     except (OSError, RuntimeError, subprocess.TimeoutExpired):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": dirty}
+        return {"commit": None, "dirty": None, "dirty_paths": None}
+    dirty = sorted(p for p in changed if p.startswith(CODE_PATHS) and "/_figures/" not in p)
+    return {"commit": commit, "dirty": bool(dirty), "dirty_paths": dirty}
 
 
 def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:

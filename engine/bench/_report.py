@@ -71,9 +71,13 @@ def load_source(name: str, bench_dir: Path | None = None) -> Source:
             data = json.loads(f.read_text())
         except (OSError, ValueError) as e:
             raise ReportError(f"{_rel(f)} is not valid JSON: {e}") from None
-        missing = _provenance.missing_fields(data.get("provenance"))
+        prov = data.get("provenance")
+        missing = _provenance.missing_fields(prov)
         if missing:
             raise ReportError(f"{_rel(f)} has no provenance ({', '.join(missing)}): re-run it with `flotilla bench`")
+        if prov["dirty"]:
+            raise ReportError(f"{_rel(f)} measured uncommitted code ({', '.join(prov.get('dirty_paths') or [])}): "
+                              "commit, then re-run it")
         runs.append(data)
     return Source(name, runs, files)
 

@@ -32,7 +32,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -580,20 +582,26 @@ class ApiServer:
     def start(self, timeout: float = 30.0) -> "ApiServer":
         if self._thread is not None:
             raise RuntimeError("the server is already started")
+        # Bind here, in the caller's thread: a port in use is an OSError the caller
+        # sees at once (one line), not an exception dying in the server thread, and
+        # port 0 is resolved before start() returns.
+        sock = _listen_socket(self.host, self.port)
+        self.port = sock.getsockname()[1]
         server = uvicorn.Server(self._config)
         self._server = server
-        self._thread = threading.Thread(target=server.run, name="flotilla-api", daemon=True)
+        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="flotilla-api",
+                                        daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not server.started:
             if not self._thread.is_alive():
                 self._thread = None
-                raise OSError(f"the API server could not listen on {self.host}:{self.port}")
+                sock.close()
+                raise OSError(f"the API server could not start on {self.host}:{self.port}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"the API server did not start within {timeout} s")
             time.sleep(0.01)
-        self.port = server.servers[0].sockets[0].getsockname()[1]
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -612,3 +620,18 @@ class ApiServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn; OSError ("address already in use") if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if os.name == "posix":  # as asyncio does: quick restarts; on Windows it would allow port theft
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock

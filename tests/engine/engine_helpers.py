@@ -28,15 +28,24 @@ def reference_model(path: Path):
     return _REF_MODELS[path]
 
 
-def reference_greedy(path: Path, ids: list[int], n: int) -> list[int]:
-    """transformers generate(do_sample=False): the new token ids (EOS included)."""
+def reference_greedy(path: Path, ids: list[int], n: int, ignore_eos: bool = False) -> list[int]:
+    """transformers generate(do_sample=False): the new token ids (EOS included).
+    ignore_eos: exactly n tokens, going on past EOS (as SamplingParams.ignore_eos)."""
     import torch
 
     model = reference_model(path)
     x = torch.tensor([ids], dtype=torch.long)
     with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+        if not ignore_eos:
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+            return out[0, len(ids):].tolist()
+        new, past, cur = [], None, x
+        for _ in range(n):  # plain argmax with the model's own KV cache: no stopping rule at all
+            o = model(input_ids=cur, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            new.append(int(o.logits[0, -1].argmax()))
+            cur = torch.tensor([[new[-1]]], dtype=torch.long)
+        return new
 
 
 def chat(*turns: tuple[str, str]):

@@ -24,8 +24,9 @@ def _fake_module(figures: dict) -> types.ModuleType:
     return m
 
 
-def _provenance_block() -> dict:
-    return _provenance.finish(_provenance.collect_before())
+def _provenance_block(dirty: bool = False) -> dict:
+    block = _provenance.finish(_provenance.collect_before())
+    return {**block, "dirty": dirty, "dirty_paths": ["engine/x.py"] if dirty else []}
 
 
 def test_bench_json_records_commit_cpu_flags_load_and_io(tmp_path: Path) -> None:
@@ -36,6 +37,7 @@ def test_bench_json_records_commit_cpu_flags_load_and_io(tmp_path: Path) -> None
     prov = data["provenance"]
     assert _provenance.missing_fields(prov) == []
     assert len(prov["commit"]) == 40 and isinstance(prov["dirty"], bool)
+    assert all(p.startswith(_provenance.CODE_PATHS) for p in prov["dirty_paths"])
     cpu = prov["cpu"]
     assert cpu["model"] and cpu["cores"] >= 1 and isinstance(cpu["flags"], list)
     assert set(cpu["flags"]) <= set(_provenance.RELEVANT_FLAGS)
@@ -66,12 +68,12 @@ def test_values_render_as_median_with_min_max() -> None:
     assert _report.render_value([0.0123], "ms") == "12.3 ms"
 
 
-def _write_runs(folder: Path, values: list[float], provenance: bool = True) -> None:
+def _write_runs(folder: Path, values: list[float], provenance: bool = True, dirty: bool = False) -> None:
     folder.mkdir(parents=True)
     for i, v in enumerate(values):
         data = {"scenario": "s", "a": {"b": v}}
         if provenance:
-            data["provenance"] = _provenance_block()
+            data["provenance"] = _provenance_block(dirty)
         (folder / f"run-{i + 1}.json").write_text(json.dumps(data))
 
 
@@ -92,11 +94,12 @@ def test_a_table_is_rendered_from_the_runs(tmp_path: Path, monkeypatch) -> None:
     ("no_field", "field 'a.c' is missing"),
     ("no_provenance", "no provenance"),
     ("no_placeholder", "a figure with no source"),
+    ("dirty", "measured uncommitted code (engine/x.py)"),
 ])
 def test_a_figure_without_a_source_fails_naming_its_row(tmp_path: Path, monkeypatch, case: str, needle: str) -> None:
     monkeypatch.setattr(_report, "BENCH_DIR", tmp_path)
     if case != "no_source":
-        _write_runs(tmp_path / "s-quick", [1.0], provenance=case != "no_provenance")
+        _write_runs(tmp_path / "s-quick", [1.0], provenance=case != "no_provenance", dirty=case == "dirty")
     figure = {"no_field": "{s-quick:a.c}", "no_placeholder": "1.38× (typed by hand)"}.get(case, "{s-quick:a.b}")
     with pytest.raises(_report.ReportError, match="row 'thing'") as e:
         _report.render_table(_table(figure))

@@ -34,6 +34,8 @@ from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E4
 from test_fleet_launch import _peer  # noqa: E402
 
 TOKENS = 400
+# Long answers whatever the random weights say: the owner must return while every stream runs.
+LONG = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
 CFG = LaunchConfig(model="demo", stages=2, exact=True, max_concurrent=4, device_preference=("CPU",),
                    controller_host="127.0.0.1", recover=True, local_fallback=False)
 CONVS = [chat(("user", "Tell me about the sea.")),
@@ -81,19 +83,19 @@ def refs(agents, demo_dir):
     try:
         out = []
         for i, c in enumerate(CONVS):
-            req = GenerateRequest(f"ref{i}", messages=c, sampling=SamplingParams(max_tokens=TOKENS))
+            req = GenerateRequest(f"ref{i}", messages=c, sampling=LONG)
             out.append([t for ev in engine.stream(engine.submit(req), timeout=90) for t in ev.token_ids])
     finally:
         engine.close()
     path = demo_dir("demo")
     tok = AutoTokenizer.from_pretrained(str(path))
-    assert out[0][:16] == reference_greedy(path, chat_ids(tok, CONVS[0]), 16)
+    assert out[0][:16] == reference_greedy(path, chat_ids(tok, CONVS[0]), 16, ignore_eos=True)
     return out
 
 
 def _run_streams(engine, tag: str, on_started) -> dict[str, list]:
     """Submit every conversation, call on_started() once each stream has a few tokens; the events."""
-    ids = [engine.submit(GenerateRequest(f"{tag}{i}", messages=c, sampling=SamplingParams(max_tokens=TOKENS)))
+    ids = [engine.submit(GenerateRequest(f"{tag}{i}", messages=c, sampling=LONG))
            for i, c in enumerate(CONVS)]
     events: dict[str, list] = {r: [] for r in ids}
     started = {r: threading.Event() for r in ids}
@@ -157,7 +159,7 @@ def test_yield_migrates_the_stage_to_the_spare_agent(agents, refs):
             assert [t for ev in evs for t in ev.token_ids] == ref, f"{rid} differs from uninterrupted greedy"
         assert session.stages[1].peer.node_id == spare.node_id, "stage 1 is not on the spare agent"
         assert session.stages[0].peer.node_id == ring[0]
-        assert mark["worker_gone_s"] < 2.0, f"the yielding agent's worker lived {mark['worker_gone_s']:.2f} s"
+        assert mark["worker_gone_s"] < 3.0, f"the yielding agent's worker lived {mark['worker_gone_s']:.2f} s"
         recs = [r for r in engine.recovery.records if r.ok]
         # (a stream that reached its end of text before the hand-over is not replayed)
         assert recs and recs[0].graceful and recs[0].lost == (1,) and recs[0].streams >= 2

@@ -80,7 +80,9 @@ def _pong_delays(tmp_path, serve) -> tuple[list[float], StageResult]:
 def test_pings_are_answered_during_a_long_step(tmp_path):
     delays, result = _pong_delays(tmp_path, serve_with_heartbeats)
     assert result.token == 7 and result.stream_id == "s1"  # the step itself was unaffected
-    assert max(delays[:6]) < 0.3, delays  # every ping inside the 3 s step answered at once
+    # every ping inside the 3 s step answered at once (a loaded 2-core machine may take
+    # a few hundred ms to schedule the responder; one thread would take > 2 s)
+    assert max(delays[:6]) < 1.0, delays
 
 
 def test_without_the_responder_a_long_step_delays_pongs(tmp_path):

@@ -42,7 +42,7 @@ def engine(demo_dir):
 def references(engine):
     """Uninterrupted greedy answers of prompts 0..3 (token ids)."""
     rids = [engine.submit(GenerateRequest(f"ref{i}", messages=_prompt(i),
-                                          sampling=SamplingParams(max_tokens=MAX_TOKENS))) for i in range(4)]
+                                          sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))) for i in range(4)]
     return [[t for ev in engine.stream(r, timeout=60) for t in ev.token_ids] for r in rids]
 
 
@@ -69,7 +69,7 @@ class _Reader(threading.Thread):
 
 def _kill_mid_stream(engine, references, n: int, victim: int, sig=signal.SIGKILL, tag: str = "k"):
     readers = [_Reader(engine, engine.submit(GenerateRequest(f"{tag}{n}-{i}", messages=_prompt(i),
-                                                             sampling=SamplingParams(max_tokens=MAX_TOKENS))))
+                                                             sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))))
                for i in range(n)]
     for r in readers:
         r.start()
@@ -119,7 +119,7 @@ def test_hung_stage_is_detected_by_missing_pongs_within_3s(engine, references):
 
 def test_graceful_migration_keeps_streams(engine, references):
     readers = [_Reader(engine, engine.submit(GenerateRequest(f"m-{i}", messages=_prompt(i),
-                                                             sampling=SamplingParams(max_tokens=MAX_TOKENS))))
+                                                             sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))))
                for i in range(2)]
     for r in readers:
         r.start()
