@@ -9,6 +9,7 @@ without it.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -28,8 +29,11 @@ RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni"
 CODE_PATHS = ("engine/", "app/", "assets/", "pyproject.toml")
 
 
+@functools.lru_cache(maxsize=None)
 def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """HEAD's hash, and the code files that differed from it (a dirty run is not the commit)."""
+    """HEAD's hash, and the code files that differed from it (a dirty run is not the commit).
+    Read once per process: every run of `flotilla bench --runs N` executes the code the
+    process loaded at its start, whatever is committed meanwhile."""
     def git(*argv: str) -> str:
         res = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, timeout=10)
         if res.returncode != 0:
@@ -104,7 +108,7 @@ def memory_total_bytes() -> int | None:
 def collect_before() -> dict[str, Any]:
     """The block written at the start of a run; `finish` adds the load after it."""
     return {
-        **git_commit(),
+        **dict(git_commit()),
         "python": platform.python_version(),
         "cpu": cpu_info(),
         "memory_bytes": memory_total_bytes(),

@@ -83,13 +83,20 @@ def load_source(name: str, bench_dir: Path | None = None) -> Source:
 
 
 def field(data: Any, path: str) -> Any:
-    """`a.b.2` → data["a"]["b"]["2"] (list indices too)."""
-    cur = data
-    for part in path.split("."):
-        if isinstance(cur, dict) and part in cur:
-            cur = cur[part]
-        elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
-            cur = cur[int(part)]
+    """`a.b.2` → data["a"]["b"]["2"] (list indices too); a key holding a dot ("0.85")
+    is matched whole, the longest key first."""
+    parts, cur, i = path.split("."), data, 0
+    while i < len(parts):
+        if isinstance(cur, dict):
+            for j in range(len(parts), i, -1):
+                key = ".".join(parts[i:j])
+                if key in cur:
+                    cur, i = cur[key], j
+                    break
+            else:
+                raise KeyError(path)
+        elif isinstance(cur, list) and parts[i].isdigit() and int(parts[i]) < len(cur):
+            cur, i = cur[int(parts[i])], i + 1
         else:
             raise KeyError(path)
     return cur
@@ -133,7 +140,8 @@ def render_value(values: list[Any], spec: str) -> str:
             lo, hi = lo.removesuffix(suffix), hi.removesuffix(suffix)
             med = med.removesuffix(suffix)
             break
-    return f"{med}{unit} ({lo}–{hi})"
+    sep = " to " if lo.startswith("-") or hi.startswith("-") else "–"  # "-7.0–-2.0" would misread
+    return f"{med}{unit} ({lo}{sep}{hi})"
 
 
 def render_figure(template: str, sources: dict[str, Source]) -> tuple[str, set[str]]:

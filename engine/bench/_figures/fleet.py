@@ -12,8 +12,8 @@ PIPE = "`flotilla bench pipeline --quick`"
 
 FLEET_CURVE = Table("fleet-curve", ("what", "figure", "how"), (
     Row("one decode hop on loopback: round trip of a step frame (header + hidden 1024 f32), DEALER → ROUTER → back",
-        "{pipeline-quick:curve_hop_us.plaintext|f0} µs plaintext, {pipeline-quick:curve_hop_us.curve|f0} µs CURVE: "
-        "+{pipeline-quick:curve_hop_us.added_per_round_trip|f0} µs ({pipeline-quick:curve_hop_us.frame_bytes|int} "
+        "{pipeline-quick:curve_hop_us.plaintext|f0} µs plaintext, {pipeline-quick:curve_hop_us.curve|f0} µs CURVE, "
+        "added {pipeline-quick:curve_hop_us.added_per_round_trip|f0} µs ({pipeline-quick:curve_hop_us.frame_bytes|int} "
         "bytes a frame)", PIPE + " (`curve_hop_us`, median of 2000 round trips)"),
     Row("2-stage ring, aggregate tok/s, plaintext vs CURVE, 1 stream",
         "{pipeline-quick:curve_aggregate_tok_s.plaintext.1|f1} vs {pipeline-quick:curve_aggregate_tok_s.curve.1|f1}",

@@ -41,14 +41,15 @@ def _result_row(sched: str, conc: str) -> Row:
     p = f"results.{sched}.{conc}."
     cells = (_f(p + "tok_s", "f1"), _f(p + "tpot_s", "f3"), _f(p + "hit_rate", "f2"),
              _f(p + "mb_per_token", "f1"), _f(p + "mean_batch", "f1"), _f(p + "io_busy_frac", "pct"),
-             _f(p + "compute_frac", "pct"))
+             _f(p + "compute_frac", "pct"), _f(p + "disk_mb_s_busy", "f0"))
     return Row(f"{sched}, {conc}", " | ".join(cells), f"`results.{sched}.{conc}`")
 
 
 MOE_RESULTS = Table(
     "moe-results",
     ("scheduler, requests", "tok/s (aggregate)", "TPOT per request (s)", "hit rate", "MB read / token",
-     "attention batch (rows)", "disk busy", "compute thread busy", "JSON field"),  # type: ignore[arg-type]
+     "attention batch (rows)", "disk busy", "compute thread busy", "disk MB/s while busy",
+     "JSON field"),  # type: ignore[arg-type]
     tuple(_result_row(s, c) for s in SCHEDULERS for c in CONCURRENCY))
 
 
@@ -56,7 +57,8 @@ def _bound_row(conc: str) -> Row:
     p = f"overlap_bound.{conc}."
     cells = (_f(p + "compute_s_per_token", "ms"), _f(p + "io_s_per_token", "ms"), _f(p + "bound_s_per_token", "ms"),
              _f(p + "serial_s_per_token", "ms"), _f(p + "bevy_vs_bound", "pct"), _f(p + "on_demand_vs_bound", "pct"),
-             _f(p + "prefetch_vs_bound", "pct"), _f(p + "max_speedup_vs_on_demand", "x"))
+             _f(p + "prefetch_vs_bound", "pct"),
+             _f(p + "max_speedup_vs_on_demand", "x") + f" (I/O: {{{S}:io.effective}})")
     return Row(conc, " | ".join(cells), f"`overlap_bound.{conc}`")
 
 

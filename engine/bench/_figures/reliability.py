@@ -16,14 +16,14 @@ CHAOS = Table("reliability-chaos", ("what", "figure", "how"), (
         f"{{{C}:submitted|int}} submitted: {{{C}:completed|int}} completed, {{{C}:failed|int}} failed, "
         f"{{{C}:unfinished|int}} unfinished", HOW),
     Row("completed answers identical to the uninterrupted run",
-        f"{{{C}:identical|int}} (usage count wrong in {{{C}:usage_mismatches|int}})", HOW),
+        f"{{{C}:identical|int}} ({{{C}:usage_mismatches|int}} with a wrong usage count)", HOW),
     Row("tokens duplicated / lost / replaced",
         f"{{{C}:duplicated_tokens|int}} / {{{C}:lost_tokens|int}} / {{{C}:mismatched_tokens|int}}", HOW),
     Row("stage kills (SIGKILL) / successful recoveries / kills not recovered",
         f"{{{C}:kills|int}} / {{{C}:recoveries|int}} / {{{C}:unrecovered_kills|int}}", HOW),
     Row("recovery: kill → every running stream had its next token",
-        f"worst {{{C}:max_recovery_s|f1}} s (goal < {{{C}:recovery_goal_s|f0}} s), "
-        f"median {{{C}:median_recovery_s|f1}} s", HOW),
+        f"worst of a run {{{C}:max_recovery_s|f1}} s (goal < {{{C}:recovery_goal_s|f0}} s), "
+        f"median of a run {{{C}:median_recovery_s|f1}} s", HOW),
     Row("the first recovery of a run, in parts",
         f"detection {{{C}:detect_s.0|f2}} s; re-plan {{{C}:recovery_records.0.replan_s|f2}} s, "
         f"re-wire {{{C}:recovery_records.0.rewire_s|f2}} s, detection → resumed "

@@ -103,10 +103,10 @@ SPARSE_BOUND = Table("sparse-bound", ("what", "modelled figure", "model"), (
     Row("most ours can gain over mmap, I/O fully hidden",
         f"{_f('bound.max_speedup_if_io_fully_hidden', 'x')} "
         f"(mmap {_f('bound.mmap_ms_per_token', 'f0')} ms ÷ max(I/O bound, compute floor "
-        f"{_f('bound.ours_compute_floor_ms', 'f0')} ms))",
+        f"{_f('bound.ours_compute_floor_ms', 'f0')} ms); I/O: {{{S}:io.effective}})",
         "mmap's time per token ÷ max(ours' I/O lower bound, all-resident sparse time)"),
     Row("most ours can gain over mmap, I/O not hidden",
-        _f("bound.max_speedup_if_io_not_hidden", "x"),
+        _f("bound.max_speedup_if_io_not_hidden", "x") + f" (I/O: {{{S}:io.effective}})",
         "mmap's time per token ÷ (ours' I/O lower bound + all-resident sparse time)"),
 ))
 

@@ -66,6 +66,7 @@ def test_values_render_as_median_with_min_max() -> None:
     assert _report.render_value([True, True], "g") == "yes"
     assert _report.render_value([True, False, True], "g") == "2 of 3 runs"
     assert _report.render_value([0.0123], "ms") == "12.3 ms"
+    assert _report.render_value([-0.07, -0.044, -0.02], "pct") == "-4.4 % (-7.0 to -2.0)"
 
 
 def _write_runs(folder: Path, values: list[float], provenance: bool = True, dirty: bool = False) -> None:
@@ -133,3 +134,14 @@ def test_runs_go_to_one_folder_replacing_older_runs(tmp_path: Path) -> None:
     assert bench_cmd.cmd_bench(_fake_module({"x": 2.0}), args) == 0
     assert sorted(p.name for p in folder.iterdir()) == ["run-1.json", "run-2.json", "run-3.json"]
     assert all(json.loads(p.read_text())["x"] == 2.0 for p in folder.iterdir())
+
+
+def test_fields_are_found_by_dotted_paths_and_keys_with_dots() -> None:
+    data = {"a": {"0.85": {"x": [3, 4]}, "b": 1}}
+    assert _report.field(data, "a.0.85.x.1") == 4 and _report.field(data, "a.b") == 1
+    with pytest.raises(KeyError):
+        _report.field(data, "a.0.5.x")
+
+
+def test_provenance_is_read_once_per_process() -> None:
+    assert _provenance.git_commit() is _provenance.git_commit()
