@@ -53,7 +53,7 @@ def test_user_returns_agent_yields_within_2s(tmp_path):
 
         took = asyncio.run(main())
         print(f"\nyield: worker (ignoring SIGTERM) gone {took:.2f} s after the user returned")
-        assert took < 3.0  # the goal is ~1 s; margin for a loaded 2-core machine
+        assert took < 2.0  # the agent's promise (YIELD_S): what a user relies on, so no extra margin
     finally:
         agent.stop()
 
@@ -85,7 +85,7 @@ def test_controller_unloads_within_the_grace_and_nothing_is_killed(tmp_path):
 
         took, after = asyncio.run(main())
         assert after is None, after
-        assert took < 3.0  # the goal is ~1 s; margin for a loaded 2-core machine
+        assert took < 2.0  # the agent's promise (YIELD_S): what a user relies on, so no extra margin
         assert any("1 worker(s) handed back, 0 stopped" in ln for ln in agent.lines), agent.lines[-5:]
     finally:
         agent.stop()
