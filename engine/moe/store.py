@@ -220,13 +220,36 @@ def open_for_reads(path: Path | str, direct: bool = True) -> tuple[int, str | No
     return os.open(path, os.O_RDONLY), reason
 
 
+class DirectIOReport:
+    """What a store's reads go through, for its figures: needs `config.direct` (asked
+    for) and `io_fallback_reason` (None unless O_DIRECT fell back). Both stores use it."""
+
+    config: Any
+    io_fallback_reason: str | None
+
+    @property
+    def io_requested(self) -> str:
+        """"o_direct" or "buffered": what the config asked for."""
+        return "o_direct" if self.config.direct else "buffered"
+
+    @property
+    def io_mode(self) -> str:
+        """"o_direct" or "buffered": what reads really go through (every file)."""
+        return "o_direct" if self.config.direct and self.io_fallback_reason is None else "buffered"
+
+    def io_info(self) -> dict[str, str | None]:
+        """{"requested", "effective", "fallback_reason"}."""
+        return {"requested": self.io_requested, "effective": self.io_mode,
+                "fallback_reason": self.io_fallback_reason}
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     direct: bool = True  # O_DIRECT reads (bypass the page cache); falls back with a warning
     verify: str = "always"  # checksum each read: "always", "first" (first read per blob), "never"
 
 
-class ExpertStore:
+class ExpertStore(DirectIOReport):
     """Reads expert blobs into caller-owned aligned buffers; thread-safe (pread)."""
 
     def __init__(self, folder: Path, config: StoreConfig = StoreConfig()) -> None:
@@ -263,20 +286,6 @@ class ExpertStore:
                         "include the page cache", path, self.io_fallback_reason)
         return fd
 
-    @property
-    def io_requested(self) -> str:
-        """"o_direct" or "buffered": what the config asked for."""
-        return "o_direct" if self.config.direct else "buffered"
-
-    @property
-    def io_mode(self) -> str:
-        """"o_direct" or "buffered": what reads really go through."""
-        return "o_direct" if self.direct else "buffered"
-
-    def io_info(self) -> dict[str, str | None]:
-        """{"requested", "effective", "fallback_reason"} (reason None unless O_DIRECT fell back)."""
-        return {"requested": self.io_requested, "effective": self.io_mode,
-                "fallback_reason": self.io_fallback_reason}
 
     @property
     def keys(self) -> list[Key]:

@@ -47,7 +47,7 @@ import numpy as np
 import xxhash
 
 from engine.models.errors import ModelError
-from engine.moe.store import open_for_reads  # the one O_DIRECT probe (tmpfs, EINVAL, flag check)
+from engine.moe.store import DirectIOReport, open_for_reads  # the one O_DIRECT probe (tmpfs, EINVAL, flag check)
 from engine.sparse import aio
 from engine.sparse.weights import FFNLayout, MappedWeights
 
@@ -325,7 +325,7 @@ def ctypes_buffer(addr: int, n: int):
     return (ctypes.c_char * n).from_address(addr)
 
 
-class BundleStore:
+class BundleStore(DirectIOReport):
     """Read-only access to a built store."""
 
     def __init__(self, path: Path, config: StoreConfig = StoreConfig()) -> None:
@@ -384,21 +384,6 @@ class BundleStore:
         if reason and self.io_fallback_reason is None:
             self.io_fallback_reason = reason
         return fd
-
-    @property
-    def io_requested(self) -> str:
-        """"o_direct" or "buffered": what the config asked for."""
-        return "o_direct" if self.config.direct else "buffered"
-
-    @property
-    def io_mode(self) -> str:
-        """"o_direct" when every layer file is read with O_DIRECT, else "buffered"."""
-        return "o_direct" if self.config.direct and self.io_fallback_reason is None else "buffered"
-
-    def io_info(self) -> dict:
-        """{"requested", "effective", "fallback_reason"} (reason None unless O_DIRECT fell back)."""
-        return {"requested": self.io_requested, "effective": self.io_mode,
-                "fallback_reason": self.io_fallback_reason}
 
     @property
     def bundle_floats(self) -> int:

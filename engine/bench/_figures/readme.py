@@ -51,12 +51,5 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         Q.format("chaos")),
 ))
 
-README_MODELLED = Table("readme-modelled", ("what", "modelled figure", "model"), (
-    Row("CurveZMQ cost per data-plane hop",
-        "{pipeline-quick:curve_hop_us.added_per_round_trip|f0} µs added per round trip → "
-        "{pipeline-quick:curve_overhead_model|pct} of throughput",
-        "measured hop cost × (stages + 1) hops / time per token (`engine/bench/_curve.py`)"),
-))
-
 FILE = REPO_ROOT / "README.md"
-TABLES = (README_MEASURED, README_MODELLED)
+TABLES = (README_MEASURED,)
