@@ -8,6 +8,15 @@ peer order, runs on the Runner. The editor always keeps a plan on screen:
 an edit that overflows memory is drawn red with the planner's reason and
 cannot be launched.
 
+Weights (next to context and streams) is part of the plan: auto (the most
+precise precision at which the plan fits, from the checkpoint's own dtype
+down: re-resolved on every edit) or f32 / bf16 / fp16 / int8 / int4; the
+summary says which one the plan uses, and the memory bars are at it. The Plan
+drawn here -- boundaries, per-stage peer and device, precision, context,
+streams -- is the object Launch hands to the launcher, which checks it and
+launches it as is (never re-plans). A fleet change re-plans only a plan the
+user has not edited; an edited one is re-checked with the fresh figures.
+
 Peers ("Run on"): N simulated local stages ("this PC ×N": real worker
 processes on loopback through the local pipeline runner), or the fleet: every
 agent the Fleet view sees. Fleet plans launch through the fleet launcher
@@ -51,9 +60,11 @@ class PlanView(QWidget):
         self.profile = None  # ModelProfile
         self.kinds: dict[str, client.EngineKind] = {}
         self.excluded: set[str] = set()
-        self.plan = None  # client.Plan: what is drawn
+        self.plan = None  # client.Plan: what is drawn, and what Launch launches (this very object)
         self.error = ""  # why the plan cannot launch ("" = it can)
         self.note = ""  # a remark on how the plan was made
+        self.checkpoint = "f32"  # the model's own weight dtype: where weights "auto" starts
+        self.edited = False  # the user moved a boundary or pinned a device since the last auto-plan
         self._this_pc: client.PeerCard | None = None
         self._launch_rows: dict[int, tuple[QProgressBar, QLabel]] = {}
         self._build()
@@ -130,6 +141,17 @@ class PlanView(QWidget):
         self.context = QSpinBox(minimum=256, maximum=1_048_576, singleStep=1024, value=4096, suffix=" tokens")
         self.streams = QSpinBox(minimum=1, maximum=64, value=4)
         self.streams.setToolTip("Concurrent conversations; each keeps its own KV cache on every stage")
+        self.weights_box = QComboBox()
+        self.weights_box.setAccessibleName("Weight precision")
+        tips = {"auto": "The most precise precision at which this plan fits, starting at the model's own dtype",
+                "f32": "Full precision: 4 bytes a weight", "bf16": "16-bit brain float: 2 bytes a weight",
+                "fp16": "16-bit float: 2 bytes a weight", "int8": "8-bit weights (per-channel): 1 byte a weight",
+                "int4": "4-bit weights (grouped): half a byte a weight, for models bigger than the fleet's RAM"}
+        for label in client.WEIGHT_CHOICES:
+            self.weights_box.addItem(label, label)
+            self.weights_box.setItemData(self.weights_box.count() - 1, tips.get(label, label),
+                                         Qt.ItemDataRole.ToolTipRole)
+        self.weights_box.setToolTip("Weight precision of every shard: part of the plan (memory bars are at it)")
         spec_row = QHBoxLayout()
         self.spec_mode = QComboBox()
         self.spec_mode.setAccessibleName("Speculative decoding")
@@ -165,12 +187,19 @@ class PlanView(QWidget):
         self.spec_reason.setWordWrap(True)
         form.addRow("Context length", self.context)
         form.addRow("Streams", self.streams)
+        weights_row = QHBoxLayout()
+        weights_row.addWidget(self.weights_box)
+        self.weights_used = QLabel("", objectName="muted")  # what "auto" resolved to, beside the choice
+        weights_row.addWidget(self.weights_used)
+        weights_row.addStretch(1)
+        form.addRow("Weights", weights_row)
         form.addRow("Speculative decoding", spec_row)
         form.addRow("", self.spec_reason)
         form.addRow("Reliability", self.recover)
         form.addRow("Cache budget", self.cache_budget)
         self.context.valueChanged.connect(lambda _v: self._request_changed())
         self.streams.valueChanged.connect(lambda _v: self._request_changed())
+        self.weights_box.currentIndexChanged.connect(lambda _i: self._request_changed())
         self._spec_ok, self._spec_why = client.speculative_available()
         row.addWidget(settings, 1)
 
@@ -261,6 +290,7 @@ class PlanView(QWidget):
         if spec != self.spec:
             return
         self.model, self.profile, self._this_pc = model, profile, pc
+        self.checkpoint = model.checkpoint_precision
         self.draft_box.clear()
         self.draft_box.addItems(drafts)
         self.context.setValue(min(self.context.value(), profile.max_context or self.context.value()))
@@ -325,19 +355,33 @@ class PlanView(QWidget):
             self._sync_launch()
             return
         ids = tuple(sorted(p.peer_id for p in self.all_peers()))
-        if ids != self._fleet_ids:
-            self.auto_plan()  # peers came or went: plan again
+        if ids != self._fleet_ids and not (self.edited and self.plan is not None):
+            self.auto_plan()  # peers came or went and the plan is the planner's own: plan again
         elif self.plan is not None:
-            self._request_changed()  # same peers, fresher figures (RAM, pairing): re-check the plan
+            # Same peers, or the user's own plan: keep it and re-check it with the fresh figures
+            # (RAM, pairing; a peer that left makes it invalid, with the reason).
+            self._request_changed()
+            if ids != self._fleet_ids:
+                self._fleet_ids = ids
+                self.note = "The fleet changed; your edited plan is kept (Auto-plan to use the new peers)."
+                self._redraw()
+
+    def weights_choice(self) -> str:
+        """"auto" or a precision label (client.WEIGHT_CHOICES)."""
+        return self.weights_box.currentData() or "auto"
 
     def request(self):
-        return client.plan_request(self.context.value(), self.streams.value())
+        return client.plan_request(self.context.value(), self.streams.value(), self.weights_choice())
 
     def _on_kind_changed(self) -> None:
         local = self.kind in LOCAL_KINDS
         self.stages_spin.setEnabled(not local)
         self.where_box.setEnabled(not local)
         self.bar.setEnabled(not local)
+        self.weights_box.setEnabled(not local)
+        self.weights_box.setToolTip(f"The {self.kind} engine runs the model's own weights" if local else
+                                    "Weight precision of every shard: part of the plan (memory bars are at it)")
+        self._sync_weights_hint()
         self.cache_budget.setEnabled(self.kind in ("moe", "sparse"))
         self.recover.setEnabled(self.kind == "pipeline" and not self.on_fleet)
         self._sync_spec()
@@ -358,6 +402,7 @@ class PlanView(QWidget):
     def auto_plan(self) -> None:
         if self.model is None:
             return
+        self.edited = False
         model, peers, request, n = self.model, self.peers(), self.request(), len(self.peers())
         self._fleet_ids = tuple(sorted(p.peer_id for p in self.all_peers())) if self.on_fleet else ()
         if not peers:
@@ -391,6 +436,7 @@ class PlanView(QWidget):
         specs = [(s.peer_id, s.device, s.start, s.end) for s in self.plan.stages]
         a, b = specs[k], specs[k + 1]
         specs[k], specs[k + 1] = (a[0], a[1], a[2], layer), (b[0], b[1], layer, b[3])
+        self.edited = True
         self._evaluate(specs, note="")
 
     def exclude(self, peer_id: str) -> None:
@@ -404,6 +450,7 @@ class PlanView(QWidget):
     def pin(self, peer_id: str, device: str) -> None:
         if self.plan is None:
             return
+        self.edited = True
         self._evaluate([(s.peer_id, device if s.peer_id == peer_id else s.device, s.start, s.end)
                         for s in self.plan.stages])
 
@@ -423,7 +470,10 @@ class PlanView(QWidget):
 
     def _memory_reason(self, plan) -> str:
         issues = client.validate_plan(plan, self.model, self.peers(), self.request())
-        return "; ".join(i.message for i in issues) or "a stage does not fit its peer's memory"
+        reason = "; ".join(i.message for i in issues) or "a stage does not fit its peer's memory"
+        if self.weights_choice() == "auto" and client.plan_precision(plan) != self.checkpoint:
+            reason = f"even with {client.plan_precision(plan)} weights, {reason}"
+        return reason
 
     def _fail(self, reason: str) -> None:
         self.error = reason
@@ -456,13 +506,32 @@ class PlanView(QWidget):
                 f"<b>{plan.predicted_tok_s:.0f} tok/s</b> predicted for one stream, "
                 f"<b>{plan.predicted_aggregate_tok_s:.0f} tok/s</b> with {plan.streams} streams · "
                 f"bottleneck {plan.bottleneck_ms:.2f} ms/token · {len(plan.stages)} stage(s) over "
-                f"{self.model.num_layers} layers" + (f"<br><i>{self.note}</i>" if self.note else ""))
+                f"{self.model.num_layers} layers<br>{self.weights_text()}"
+                + (f"<br><i>{self.note}</i>" if self.note else ""))
         else:
             self.summary.setStyleSheet("")
             self.summary.setText("")
         self._fill_stages()
+        self._sync_weights_hint()
         self._sync_launch()
         self.plan_changed.emit()
+
+    def _sync_weights_hint(self) -> None:
+        auto = self.plan is not None and self.weights_choice() == "auto" and self.kind not in LOCAL_KINDS
+        self.weights_used.setText(f"→ {client.plan_precision(self.plan)} for this plan" if auto else "")
+
+    def weights_text(self) -> str:
+        """What the summary says about the plan's weights: the precision it will run at, and why."""
+        if self.plan is None:
+            return ""
+        used = client.plan_precision(self.plan)
+        if self.kind in LOCAL_KINDS:
+            return f"Weights: the model's own ({self.checkpoint}) on the {self.kind} engine"
+        if self.weights_choice() == "auto":
+            why = ("the model's own precision" if used == self.checkpoint else
+                   f"the most precise at which this plan fits; the model's own {self.checkpoint} does not")
+            return f"Weights <b>{used}</b> (auto: {why}) · context {self.plan.context_length} tokens"
+        return f"Weights <b>{used}</b> (chosen) · context {self.plan.context_length} tokens"
 
     def _fill_stages(self) -> None:
         while self.stage_grid.count():
@@ -470,7 +539,8 @@ class PlanView(QWidget):
             if w is not None:
                 w.setParent(None)
                 w.deleteLater()
-        for col, text in enumerate(["Peer", "Device", "Layers", "Memory (weights + KV + margin)",
+        weights = f"{client.plan_precision(self.plan)} weights" if self.plan is not None else "weights"
+        for col, text in enumerate(["Peer", "Device", "Layers", f"Memory ({weights} + KV + reserves)",
                                     "Predicted", ""]):
             self.stage_grid.addWidget(QLabel(text, objectName="muted"), 0, col)
         if self.plan is None:
@@ -573,8 +643,8 @@ class PlanView(QWidget):
                 if self.kind == "local" else {"cache_budget_bytes": budget}
             self.session.open(self.spec, self.kind, **settings)
             return
-        ranges = [(s.start, s.end) for s in self.plan.stages]
-        for i, s in enumerate(self.plan.stages):
+        plan = self.plan  # this very object is launched: what is drawn is what runs
+        for i, s in enumerate(plan.stages):
             bar = QProgressBar()
             bar.setRange(0, 100)
             bar.setTextVisible(False)
@@ -584,13 +654,9 @@ class PlanView(QWidget):
             self.progress_grid.addWidget(label, i, 2)
             self._launch_rows[i] = (bar, label)
         if self.on_fleet:
-            stages = [(s.peer_id, s.device, s.start, s.end) for s in self.plan.stages]
-            self.session.launch_fleet(self.spec, stages, self.fleet.peers(), self.context.value(),
-                                      self.streams.value())
+            self.session.launch_fleet(self.spec, plan, self.fleet.peers())
             return
-        self.session.launch_pipeline(self.spec, ranges, self.plan.stages[0].device,
-                                     self.context.value(), self.streams.value(),
-                                     speculative=self.speculative_choice(),
+        self.session.launch_pipeline(self.spec, plan, speculative=self.speculative_choice(),
                                      recover=self.recover.isChecked())
 
     def _clear_progress(self) -> None:

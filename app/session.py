@@ -30,19 +30,24 @@ def _open(spec: str, kind: str, device: str, settings: dict, progress) -> tuple:
     return engine, engine.info  # read info here too: it is an engine call
 
 
-def _launch(spec: str, ranges: list, device: str, context_length, streams: int,
-            cancel: threading.Event, speculative, recover: bool, progress) -> tuple:
-    engine = client.launch_pipeline(spec, ranges, device=device, context_length=context_length,
-                                    streams=streams, step=lambda s: progress(s), cancel=cancel,
+def _launch(spec: str, plan, cancel: threading.Event, speculative, recover: bool, progress) -> tuple:
+    engine = client.launch_pipeline(spec, plan, step=lambda s: progress(s), cancel=cancel,
                                     speculative=speculative, recover=recover)
     return engine, engine.info
 
 
-def _launch_fleet(spec: str, stages: list, cards: list, context_length, streams: int,
-                  cancel: threading.Event, progress) -> tuple:
-    engine = client.launch_fleet(spec, stages, cards, context_length=context_length, streams=streams,
-                                 step=lambda s: progress(s), cancel=cancel)
+def _launch_fleet(spec: str, plan, cards: list, cancel: threading.Event, progress) -> tuple:
+    engine = client.launch_fleet(spec, plan, cards, step=lambda s: progress(s), cancel=cancel)
     return engine, engine.info
+
+
+def plan_summary(plan, names: dict | None = None) -> str:
+    """'2 stages: 0–4 | 4–8 · int4 weights' (what the status bar and the plan editor say is running)."""
+    names = names or {}
+    parts = " | ".join(f"{names[s.peer_id]} {s.start}–{s.end}" if s.peer_id in names else f"{s.start}–{s.end}"
+                       for s in plan.stages)
+    what = "peers" if names else "stages"
+    return f"{len(plan.stages)} {what}: {parts} · {client.plan_precision(plan)} weights"
 
 
 class EngineSession(QObject):
@@ -61,7 +66,8 @@ class EngineSession(QObject):
         self.info: client.EngineInfo | None = None
         self.spec = ""
         self.kind = "local"
-        self.plan_text = ""  # "2 stages: 0–4 | 4–8" for a pipeline, "" otherwise
+        self.plan_text = ""  # "2 stages: 0–4 | 4–8 · f32 weights" for a pipeline, "" otherwise
+        self.plan = None  # the Plan launched (the editor's very object), None for other engines
         self.error = ""  # why the last open failed
         self._generation = 0
         self._cancel: threading.Event | None = None
@@ -130,28 +136,27 @@ class EngineSession(QObject):
         task.result.connect(lambda res: self._on_opened(generation, res))
         task.failed.connect(lambda exc: self._on_failed(generation, exc))
 
-    def launch_pipeline(self, spec: str, ranges: list[tuple[int, int]], device: str = "CPU",
-                        context_length: int | None = None, streams: int = 4,
-                        speculative: client.SpecChoice | None = None, recover: bool = True) -> None:
-        """Start a local pipeline (one worker process per range) and make it the engine."""
-        text = f"{len(ranges)} stages: " + " | ".join(f"{a}–{b}" for a, b in ranges)
-        self._begin(spec, "pipeline", text)
+    def launch_pipeline(self, spec: str, plan, speculative: client.SpecChoice | None = None,
+                        recover: bool = True) -> None:
+        """Start `plan` (the editor's Plan over this PC's stages: one worker process per stage) as is
+        and make it the engine."""
+        self._begin(spec, "pipeline", plan_summary(plan), plan)
         generation = self._generation
         self._cancel = cancel = threading.Event()
-        task = self.runner.call(_launch, spec, list(ranges), device, context_length, streams, cancel,
-                                speculative, recover, report_to="progress", name="launch")
+        task = self.runner.call(_launch, spec, plan, cancel, speculative, recover, report_to="progress",
+                                name="launch")
         self._follow_launch(task, generation)
 
-    def launch_fleet(self, spec: str, stages: list[tuple[str, str, int, int]], cards: list,
-                     context_length: int | None = None, streams: int = 4) -> None:
-        """Start the plan on fleet agents ((node id, device, start, end) per stage) and make it the engine."""
+    def launch_fleet(self, spec: str, plan, cards: list) -> None:
+        """Start `plan` (the editor's Plan: node id and device per stage) on fleet agents as is and make
+        it the engine."""
         names = {c.peer_id: c.name for c in cards}
-        text = f"{len(stages)} peers: " + " | ".join(f"{names.get(p, p)} {a}–{b}" for p, _d, a, b in stages)
-        self._begin(spec, "pipeline", text)
+        self._begin(spec, "pipeline", plan_summary(plan, {s.peer_id: names.get(s.peer_id, s.peer_id[:8])
+                                                       for s in plan.stages}), plan)
         generation = self._generation
         self._cancel = cancel = threading.Event()
-        task = self.runner.call(_launch_fleet, spec, list(stages), list(cards), context_length, streams,
-                                cancel, report_to="progress", name="launch-fleet")
+        task = self.runner.call(_launch_fleet, spec, plan, list(cards), cancel, report_to="progress",
+                                name="launch-fleet")
         self._follow_launch(task, generation)
 
     def _follow_launch(self, task, generation: int) -> None:
@@ -164,14 +169,14 @@ class EngineSession(QObject):
         if self._cancel is not None and self.state == OPENING:
             self._cancel.set()
 
-    def _begin(self, spec: str, kind: str, plan_text: str) -> None:
+    def _begin(self, spec: str, kind: str, plan_text: str, plan=None) -> None:
         self._generation += 1
         if self._cancel is not None:
             self._cancel.set()  # a launch still running is superseded
         if self.engine is not None:
             self._close_async(self.engine)
         self.engine = self.info = None
-        self.spec, self.kind, self.plan_text, self.error = spec, kind, plan_text, ""
+        self.spec, self.kind, self.plan_text, self.plan, self.error = spec, kind, plan_text, plan, ""
         self._set(OPENING)
 
     def _on_progress(self, generation: int, values: tuple) -> None:

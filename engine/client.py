@@ -9,8 +9,10 @@ app noticing, and so one file shows the whole app <-> engine surface:
             engine_load, SpecChoice, speculative_available, draft_models
   models    list_models, list_demo_models, model_profile, import_model_folder,
             download_model, convert_to_openvino
-  planning  plan_model, local_peers, fleet_peers, plan_request, auto_plan,
-            evaluate_plan, move_boundary, exclude_peer, pin_device, balanced_plan
+  planning  plan_model, local_peers, fleet_peers, plan_request,
+            WEIGHT_CHOICES, plan_precision, auto_plan, evaluate_plan, validate_plan,
+            move_boundary, exclude_peer, pin_device, balanced_plan
+            (a Plan made here is what launch_pipeline / launch_fleet launch, as is)
   fleet     this_pc, FleetWatcher (mDNS + manual peers, live), pair_peer,
             pairing_code_for, fleet_launch_available, launch_fleet,
             peer_addresses, add_peer_address, remove_peer_address
@@ -50,7 +52,7 @@ __all__ = [
     "stage_pids", "speculative_available", "draft_models", "list_demo_models", "list_models",
     "model_profile", "import_model_folder", "download_model", "convert_to_openvino", "plan_model",
     "local_peers", "fleet_peers", "plan_request", "auto_plan", "balanced_plan", "evaluate_plan",
-    "move_boundary", "exclude_peer", "pin_device", "this_pc", "controller_name", "pair_peer",
+    "validate_plan", "plan_precision", "WEIGHT_CHOICES", "move_boundary", "exclude_peer", "pin_device", "this_pc", "controller_name", "pair_peer",
     "pairing_code_for", "fleet_launch_available", "peer_addresses", "add_peer_address",
     "remove_peer_address", "config_dir", "data_dir", "sharing_policy_path", "load_sharing_policy",
     "save_sharing_policy", "start_api_server",
@@ -214,29 +216,48 @@ class LaunchCancelled(EngineError):
     """The user cancelled a launch; every stage process was stopped."""
 
 
-def launch_pipeline(spec: str, ranges: Sequence[tuple[int, int]], device: str = "CPU",
-                    context_length: int | None = None, streams: int = 4,
-                    step: Callable[[LaunchStep], None] | None = None,
+def launch_pipeline(spec: str, plan: Any, step: Callable[[LaunchStep], None] | None = None,
                     cancel: threading.Event | None = None, speculative: Any = None,
                     recover: bool = True) -> Engine:
-    """Start a pipeline of len(ranges) stage processes on this PC (loopback)
-    and wire it: engine.pipeline.runner.launch_pipeline with its per-stage
-    progress and cancel hooks. Blocking.
+    """Start `plan` (a Plan over local_peers(), as the plan editor shows it) as
+    one stage process per stage on this PC (loopback) and wire it:
+    engine.pipeline.runner.launch_pipeline with its per-stage progress and
+    cancel hooks. Blocking.
 
-    Reports LaunchStep per stage (transfer = the shard is exported/copied into
-    place, compile = the worker loads and compiles it, ready). Setting `cancel`
-    stops every process and raises LaunchCancelled. PlanError when the plan
-    does not fit, before anything starts. `speculative`: a SpecChoice (or
-    None = off); `recover`: re-plan onto a warm standby when a stage dies."""
+    The plan's ranges, device, weight precision, context and streams are
+    launched as they are: the runner checks that split against this PC's RAM
+    now and refuses ("the plan cannot run on this PC: stage 1: ...", a
+    PlanError before anything is exported) when it no longer fits; it never
+    re-plans. Every stage runs on one device.
+    Reports LaunchStep per stage (transfer = the shard is exported/copied
+    into place, compile = the worker loads and compiles it, ready). Setting
+    `cancel` stops every process and raises LaunchCancelled. `speculative`: a
+    SpecChoice (or None = off); `recover`: re-plan onto a warm standby when a
+    stage dies (recovery, not launch)."""
+    from engine.pipeline.plan_weights import refuse
     from engine.pipeline.runner import FleetConfig
     from engine.pipeline.runner import LaunchCancelled as RunnerCancelled
     from engine.pipeline.runner import launch_pipeline as run
 
     report = step or (lambda _s: None)
-    n = len(ranges)
-    cfg = FleetConfig(model=spec, stages=n, split=tuple((int(a), int(b)) for a, b in ranges),
-                      device=device, context_length=context_length, max_concurrent=max(1, streams),
-                      recover=recover)
+    stages = list(plan.stages)
+    devices = list(dict.fromkeys(s.device for s in stages))
+    if len(devices) != 1:
+        raise refuse(None, "mixed_devices", "the local runner runs every stage on one device: "
+                                            f"the plan uses {', '.join(devices) or 'none'}")
+    n = len(stages)
+    cfg = FleetConfig(model=spec, stages=n, split=tuple((s.start, s.end) for s in stages), device=devices[0],
+                      weights=plan.weight_precision, context_length=plan.context_length,
+                      max_concurrent=plan.streams, recover=recover)
+
+    def same_plan(launched: Any) -> None:  # the runner evaluated exactly this plan; say so if not
+        got = [(s.start, s.end, s.device) for s in launched.stages]
+        want = [(s.start, s.end, s.device) for s in stages]
+        if (got != want or launched.weight_precision != plan.weight_precision
+                or launched.context_length != plan.context_length):
+            raise refuse(None, "plan_changed", f"the runner would launch {got} at {launched.weight_precision}, "
+                                               f"not the plan {want} at {plan.weight_precision}")
+
     weights = {"transfer": (0.0, 0.4), "compile": (0.4, 0.6), "ready": (1.0, 0.0)}
     words = {"transfer": "shard in place", "compile": "worker compiling", "ready": "ready"}
 
@@ -248,7 +269,8 @@ def launch_pipeline(spec: str, ranges: Sequence[tuple[int, int]], device: str = 
     for i in range(n):
         report(LaunchStep(i, "waiting", 0.0, "waiting"))
     try:
-        engine = run(cfg, None, speculative=_spec_config(speculative), on_stage=on_stage, cancel=cancel)
+        engine = run(cfg, None, speculative=_spec_config(speculative), on_stage=on_stage, cancel=cancel,
+                     on_plan=same_plan)
     except RunnerCancelled:
         raise LaunchCancelled("launch cancelled") from None
     engine.launched_at = time.monotonic()  # type: ignore[attr-defined]  # ring_snapshot reads it
@@ -385,8 +407,9 @@ def local_peers(count: int, card: "PeerCard | None" = None) -> list[Any]:
     devices = tuple(DeviceProfile(d.split(".")[0] if d.split(".")[0] in DEVICE_KINDS else "CPU", d)
                     for d in card.devices) or (DeviceProfile("CPU", "CPU"),)
     share = card.ram_free // max(1, count)
-    return [PeerProfile(f"local-{i}", f"This PC #{i + 1}" if count > 1 else "This PC", devices, share)
-            for i in range(count)]
+    # Each stage is sized as a PC of its share of the RAM (the OS reserve scales with it).
+    return [PeerProfile(f"local-{i}", f"This PC #{i + 1}" if count > 1 else "This PC", devices, share,
+                        card.ram_total // max(1, count)) for i in range(count)]
 
 
 def fleet_peers(cards: Sequence["PeerCard"]) -> list[Any]:
@@ -398,14 +421,29 @@ def fleet_peers(cards: Sequence["PeerCard"]) -> list[Any]:
         if not c.reachable:
             continue
         devs = tuple(DeviceProfile(d.split(".")[0], d) for d in c.devices if d.split(".")[0] in DEVICE_KINDS)
-        out.append(PeerProfile(c.peer_id, c.name, devs or (DeviceProfile("CPU", "CPU"),), c.ram_free))
+        out.append(PeerProfile(c.peer_id, c.name, devs or (DeviceProfile("CPU", "CPU"),), c.ram_free, c.ram_total))
     return out
 
 
-def plan_request(context_length: int = 4096, streams: int = 1, weight_precision: str = "native") -> Any:
-    from engine.pipeline.plan import PlanRequest
+# Weight precisions a plan may use; "auto" = the most precise at which the plan fits, starting at the
+# checkpoint's own dtype (the planner resolves it: a Plan always holds one concrete precision).
+WEIGHT_CHOICES = ("auto", "f32", "bf16", "fp16", "int8", "int4")
 
-    return PlanRequest(context_length=context_length, streams=streams, weight_precision=weight_precision)
+
+def plan_request(context_length: int | None = 4096, streams: int = 1, weight_precision: str = "auto") -> Any:
+    """What to plan for. weight_precision: one of WEIGHT_CHOICES ("auto" = the most precise
+    at which the plan fits, from the model's own dtype, PlanModel.checkpoint_precision,
+    down). Every planning function below returns a Plan at one concrete precision
+    (plan_precision(plan)). PlanError (code bad_weights) for an unknown precision."""
+    from engine.pipeline.plan import PlanRequest
+    from engine.pipeline.plan_weights import check_choice
+
+    return PlanRequest(context_length=context_length, streams=streams, weight_precision=check_choice(weight_precision))
+
+
+def plan_precision(plan: Any) -> str:
+    """The weight precision a plan's shards are exported and run at ("int4", "f32", ...)."""
+    return plan.weight_precision
 
 
 def auto_plan(model: Any, peers: Sequence[Any], request: Any,
@@ -458,12 +496,16 @@ def _linear_partition(sizes: list[int], parts: int) -> list[int]:
 
 
 def evaluate_plan(stages: Any, model: Any, peers: Sequence[Any], request: Any) -> Any:
+    """Predictions for these stages ((peer_id, device, start, end) or a Plan) at the asked
+    precision ("auto": the most precise at which every stage fits); a stage that
+    overflows is marked fits=False, a malformed one raises PlanError."""
     from engine.pipeline.plan_validate import evaluate_plan as evaluate
 
     return evaluate(stages, model, peers, request)
 
 
 def validate_plan(stages: Any, model: Any, peers: Sequence[Any], request: Any) -> list[Any]:
+    """Every issue of a plan ([] = it can launch). A Plan is checked at its own precision."""
     from engine.pipeline.plan_validate import validate_plan as validate
 
     return validate(stages, model, peers, request)
@@ -812,27 +854,30 @@ def fleet_launch_available() -> tuple[bool, str]:
     return True, ""
 
 
-def launch_fleet(spec: str, stages: Sequence[tuple[str, str, int, int]], cards: Sequence[PeerCard],
-                 context_length: int | None = None, streams: int = 4,
+def launch_fleet(spec: str, plan: Any, cards: Sequence[PeerCard],
                  step: Callable[[LaunchStep], None] | None = None,
                  cancel: threading.Event | None = None) -> Engine:
-    """Launch the plan `stages` ((peer_id = node id, device, start, end), in
-    ring order) on fleet agents through engine/fleet/launch.py: status, the
-    shards sent (resumable), workers loaded, a CURVE PipelineEngine wired.
-    Blocking; per-stage LaunchStep like launch_pipeline. Setting `cancel` stops
-    at the next step (everything started is unloaded) with LaunchCancelled."""
+    """Launch `plan` (a Plan over fleet_peers(), as the plan editor shows it:
+    per-stage node id and device, ranges, weight precision, context, streams)
+    on fleet agents through engine/fleet/launch.py, as is: the launcher checks
+    it against the agents' fresh status and refuses (PlanError naming the
+    stage, before any shard is exported or sent) when it no longer fits; it
+    never re-plans. Then the shards are sent (resumable), workers loaded, a
+    CURVE PipelineEngine wired. Blocking; per-stage LaunchStep like
+    launch_pipeline. Setting `cancel` stops at the next step (everything
+    started is unloaded) with LaunchCancelled."""
     import re
 
     from engine.fleet import launch as fl
 
     by_id = {c.peer_id: c for c in cards}
-    missing = [pid for pid, *_ in stages if pid not in by_id or by_id[pid].handle is None]
+    missing = [s.peer_id for s in plan.stages if s.peer_id not in by_id or by_id[s.peer_id].handle is None]
     if missing:
         raise EngineError(f"peer(s) gone from the fleet: {', '.join(missing)}")
-    peers = [by_id[pid].handle for pid in dict.fromkeys(pid for pid, *_ in stages)]
+    peers = [by_id[pid].handle for pid in dict.fromkeys(s.peer_id for s in plan.stages)]
     report = step or (lambda _s: None)
     cancel = cancel or threading.Event()
-    n = len(stages)
+    n = len(plan.stages)
     for i in range(n):
         report(LaunchStep(i, "waiting", 0.0, "waiting"))
     number = re.compile(r"\b(?:shard|stage) (\d+)\b")
@@ -850,8 +895,9 @@ def launch_fleet(spec: str, stages: Sequence[tuple[str, str, int, int]], cards: 
         elif message.startswith("starting"):
             report(LaunchStep(i, "compile", 0.5, message))
 
-    cfg = fl.LaunchConfig(model=spec, stages=n, context_length=context_length, max_concurrent=max(1, streams))
-    session = _planned_session(fl, stages)(_controller_keys(), peers, cfg, progress)
+    cfg = fl.LaunchConfig(model=spec, stages=n, weights=plan.weight_precision, context_length=plan.context_length,
+                          max_concurrent=plan.streams)
+    session = fl.FleetSession(_controller_keys(), peers, cfg, progress, plan=plan)
     try:
         engine = session.launch()
     except LaunchCancelled:
@@ -871,36 +917,6 @@ def launch_fleet(spec: str, stages: Sequence[tuple[str, str, int, int]], cards: 
         report(LaunchStep(i, "ready", 1.0, "ready"))
     engine.launched_at = time.monotonic()  # type: ignore[attr-defined]
     return engine
-
-
-def _planned_session(fl: Any, stages: Sequence[tuple[str, str, int, int]]) -> Any:
-    """A FleetSession that launches exactly the plan drawn in the app (the
-    launcher alone plans by itself: auto_plan, or an even split)."""
-    specs = [(str(p), str(d), int(a), int(b)) for p, d, a, b in stages]
-
-    class PlannedSession(fl.FleetSession):
-        def _make_plan(self, model: Any) -> Any:
-            from engine.pipeline.plan import PlanError, PlanRequest
-            from engine.pipeline.plan_validate import evaluate_plan, validate_plan
-
-            for nid, st in self.statuses.items():
-                if not st.sharing:
-                    raise PlanError(f"{self.peers[nid].info.hostname} does not share its PC right now: "
-                                    f"{st.reason or 'policy'}")
-            used = [self.peers[nid] for nid in dict.fromkeys(s[0] for s in specs)]
-            profiles = [fl.peer_profile(p, self.statuses[p.node_id]) for p in used]
-            request = PlanRequest(context_length=self.context_length, streams=self.cfg.max_concurrent,
-                                  weight_precision="fp32" if self.cfg.weights == "f32" else "fp16")
-            issues = validate_plan(specs, model, profiles, request)
-            if issues:
-                raise PlanError("the plan does not fit the fleet now: " + "; ".join(i.message for i in issues),
-                                issues)
-            plan = evaluate_plan(specs, model, profiles, request, fl.peer_links(used))
-            self.stages = [fl._Stage(i, self.peers[s.peer_id], s.device, s.start, s.end)
-                           for i, s in enumerate(plan.stages)]
-            return plan
-
-    return PlannedSession
 
 
 def _manual_file() -> Path:

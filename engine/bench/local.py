@@ -4,10 +4,18 @@
 - `flotilla chat -p …` from launch to its first streamed byte: cold (export to
   OpenVINO IR + compile, empty cache) and warm (everything cached);
 - the local engine on each demo model, in this process: decode tok/s and time
-  to first token of a greedy answer, after one warm-up request.
+  to first token of a greedy answer, after one warm-up request;
+- side by side on one IR of a model of real size (--memory-model, default a
+  0.90 B random Llama in bf16, 1.8 GB): the local engine and
+  openvino_genai.LLMPipeline, each in fresh child processes of its own
+  (engine/bench/_local_memory.py): peak anonymous RSS, RSS after load, warm
+  time to first token, decode tok/s; median and min-max over the processes.
 
-Everything runs against a fresh cache folder of its own, so the user's cache is
-neither used nor touched. Repeats are medians; each repeat's figures are kept.
+Everything but the side-by-side model runs against a fresh cache folder of its
+own, so the user's cache is neither used nor touched; the side-by-side model
+(built deterministically, engine/bench/_local_llama.py) and its IR are too big
+to rebuild per run and live in the user's cache (FLOTILLA_CACHE or the user
+cache folder). Repeats are medians; each repeat's figures are kept.
 The demo models have random weights: an answer may end at EOS before
 --tokens, so the JSON keeps the number of tokens each figure is over.
 """
@@ -37,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="demo,demo-qwen3,demo-moe", help="comma-separated demo ids")
     p.add_argument("--tokens", type=int, default=None, help="new tokens per answer (default 128; quick 64)")
     p.add_argument("--repeats", type=int, default=3, help="measured answers per model, and warm launches")
+    p.add_argument("--memory-model", default="random-llama-0.9b",
+                   help="side-by-side model: a random-Llama preset (random-llama-0.9b, random-llama-tiny), "
+                        "a demo id or a model folder; 'none' skips it")
+    p.add_argument("--memory-processes", type=int, default=None,
+                   help="fresh child processes per engine for the side-by-side figures (default 3; quick 1)")
 
 
 def _env(cache: Path) -> dict[str, str]:
@@ -121,6 +134,27 @@ def engine_figures(cache: Path, model: str, tokens: int, repeats: int) -> dict[s
     }
 
 
+def memory_figures(spec: str, tokens: int, repeats: int, processes: int,
+                   report: Callable[[str], None]) -> dict[str, Any]:
+    """The local engine and openvino_genai side by side on the IR of `spec` (user's cache)."""
+    from engine.bench._local_llama import PRESETS, ensure_random_llama
+    from engine.bench._local_memory import side_by_side
+    from engine.runtime.ov_backend import ensure_ir
+
+    if spec in PRESETS:
+        src = ensure_random_llama(PRESETS[spec], report)
+    else:
+        from engine.models.ref import resolve_model
+
+        src = Path(resolve_model(spec).path)
+    report(f"side by side on {spec}: exporting to OpenVINO once (cached)")
+    ir = ensure_ir(src)
+    out = side_by_side(ir, PROMPT, tokens, repeats, processes, report)
+    out["model"] = spec
+    out["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(src).glob("*.safetensors"))
+    return out
+
+
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     quick = bool(getattr(args, "quick", False))
     tokens = args.tokens or (64 if quick else 128)
@@ -145,6 +179,13 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             report(f"  {per_model[m]['decode_tok_s']:.0f} tok/s, TTFT {per_model[m]['ttft_ms']:.1f} ms")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+    memory = None
+    if args.memory_model.strip().lower() != "none":
+        processes = max(1, args.memory_processes or (1 if quick else 3))
+        memory = memory_figures(args.memory_model.strip(), tokens, repeats, processes, report)
+        ratio = memory["ours_vs_genai"]
+        report(f"  ours / openvino_genai: peak anon x{ratio['peak_anon']}, decode x{ratio['decode_tok_s']}, "
+               f"warm TTFT x{ratio['ttft_warm']}")
     return {
         "tokens_requested": tokens,
         "repeats": repeats,
@@ -153,4 +194,5 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         "launch_first_byte_s": {"model": first, "cold": round(cold, 2), "warm": round(statistics.median(warm), 2),
                                 "warm_per_repeat": [round(w, 2) for w in warm]},
         "engine": per_model,
+        "side_by_side": memory,  # None with --memory-model none
     }

@@ -175,11 +175,9 @@ def _stop_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
-    import openvino as ov
-
     from engine.bench.shards import dense_recipe, model_summary, split_ranges
     from engine.models.demo import cache_root, ensure_recipe
-    from engine.pipeline.export import MANIFEST, ensure_shard, model_fingerprint, shard_cache_key, shard_cache_root
+    from engine.pipeline.export import ensure_shard
 
     quick = bool(args.quick)
     tokens = args.tokens or (24 if quick else 64)
@@ -206,17 +204,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     layers = model["layers"]
     report(f"model: {model['params_m']} M params, {model['f32_weights_mb']} MB f32")
     ranges = split_ranges(layers, 2)
-    fp = model_fingerprint(path)
-    hf = None
     infos = {}
     for s, e in [(0, layers), *ranges]:
-        if hf is None and not (shard_cache_root() / shard_cache_key(fp, s, e, "f32", ov.get_version()) / MANIFEST).exists():
-            from engine.pipeline.export import _load_hf
-
-            report("exporting shards (first run only)")
-            hf = _load_hf(path)
-        infos[(s, e)] = ensure_shard(path, s, e, num_layers_total=layers, hf_model=hf)
-    hf = None
+        infos[(s, e)] = ensure_shard(path, s, e, num_layers_total=layers)
 
     from transformers import AutoTokenizer
 
@@ -391,7 +381,7 @@ def _child_main() -> None:
 def _handle(state: dict, cmd: dict) -> dict:
     kind = cmd["cmd"]
     if kind == "setup_mono":
-        from engine.pipeline.export import ShardRunner
+        from engine.pipeline.shard_runtime import ShardRunner
 
         state["mono"] = ShardRunner(Path(cmd["shard"]), cache_dir=Path(cmd["blobs"]),
                                     config={"INFERENCE_NUM_THREADS": int(cmd["threads"])})

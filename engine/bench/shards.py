@@ -141,7 +141,10 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     import numpy as np
 
     from engine.models.demo import cache_root, ensure_recipe
-    from engine.pipeline.export import ShardRunner, _load_hf, ensure_shard, runtime_op_counts
+    import openvino as ov
+
+    from engine.pipeline.export import ensure_shard
+    from engine.pipeline.shard_runtime import ShardRunner, runtime_op_counts
 
     quick = bool(args.quick)
     layers = args.layers or (8 if quick else 16)
@@ -154,30 +157,18 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     report(f"model: {model['params_m']} M params, {model['f32_weights_mb']} MB f32")
 
     ranges = split_ranges(layers, args.stages)
-    hf = None
 
     def shard(start: int, end: int, fuse: bool):
-        nonlocal hf
         t = time.time()
-        info = ensure_shard(path, start, end, num_layers_total=layers, fuse_beam_idx=fuse, hf_model=hf)
+        info = ensure_shard(path, start, end, num_layers_total=layers, fuse_beam_idx=fuse)
         if time.time() - t > 1:
             report(f"  exported [{start}, {end}) fuse_beam_idx={fuse} in {time.time() - t:.1f} s")
         return info
 
-    # Load the HF model only when some shard is missing from the cache.
-    from engine.pipeline.export import model_fingerprint, shard_cache_key, shard_cache_root
-    import openvino as ov
-
-    fp = model_fingerprint(path)
     wanted = [(0, layers, True)] + [(s, e, True) for s, e in ranges] + [(s, e, False) for s, e in ranges]
     if not quick:
         wanted.append((0, layers, False))
-    if any(not (shard_cache_root() / shard_cache_key(fp, s, e, "f32", ov.get_version(), fuse_beam_idx=f)
-                / "shard.json").exists() for s, e, f in wanted):
-        report("exporting shards (first run only)")
-        hf = _load_hf(path)
     infos = {(s, e, f): shard(s, e, f) for s, e, f in wanted}
-    hf = None
 
     config: dict[str, Any] = {}
     if args.threads:

@@ -8,6 +8,7 @@ import uuid
 
 from engine.cli.progress import TerminalProgress
 from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
+from engine.runtime.ov_weights import WEIGHT_CHOICES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +61,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "default lets the device choose (bf16/u8 KV on recent CPUs)")
     p.add_argument("--backend", choices=("openvino", "torch"), default="openvino",
                    help="local engine: openvino (default) or the transformers reference path")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto",
+                   help="local engine: weight precision of the OpenVINO export, made once per format and cached: "
+                        "auto (default) = the checkpoint's own dtype (bf16 for a bf16 checkpoint), f32, bf16, fp16, "
+                        "int8 (asymmetric, per channel) or int4 (symmetric, groups of 128)")
     p.add_argument("--cache-budget", type=_parse_bytes, default=None, metavar="SIZE",
                    help="moe/sparse engines: RAM for cached experts/neurons, e.g. 2GB or 512MB "
                         "(default: derived from free RAM)")
@@ -84,17 +89,46 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def open_engine_from_args(args: argparse.Namespace):
+    from engine.cli.errors import UserError
     from engine.serve.factory import EngineOptions, open_engine
 
     spec = speculative_from_args(args)
+    weights = getattr(args, "weights", "auto")
+    if weights != "auto" and (args.engine != "local" or args.backend != "openvino"):
+        raise UserError("--weights applies to the local engine's OpenVINO backend "
+                        "(pipeline shards: `flotilla pipeline --weights`)")
     options = EngineOptions(device=args.device, precision=args.precision, backend=args.backend,
                             cache_budget_bytes=args.cache_budget,
                             extra={"speculative": spec} if spec is not None else {})
     progress = TerminalProgress()
     try:
+        if weights != "auto":
+            return _open_local_at(args.model, weights, options, progress)
         return open_engine(args.model, kind=args.engine, options=options, progress=progress)
     finally:
         progress.close()
+
+
+def _open_local_at(model: str, weights: str, options, progress):
+    """The local engine on the export of `model` at `weights` (exported first if missing).
+
+    The export is made here, then the engine opens that IR folder under the model's own id
+    (so its known draft model, its name in the chat header, ... stay the model's)."""
+    from pathlib import Path
+
+    from engine.cli.errors import UserError
+    from engine.models import resolve_model
+    from engine.runtime.errors import BackendError
+    from engine.runtime.ov_backend import ensure_ir
+    from engine.serve.local import LocalEngine
+
+    resolved = resolve_model(model, progress)
+    try:
+        ir = ensure_ir(Path(resolved.path), progress=progress, weights=weights)
+    except BackendError as e:
+        raise UserError(str(e)) from None
+    return LocalEngine(ir, resolved.model_id, device=options.device, precision=options.precision,
+                       backend="openvino", progress=progress, speculative=options.extra.get("speculative"))
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

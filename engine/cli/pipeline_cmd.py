@@ -2,11 +2,15 @@
 
     flotilla pipeline --model demo --stages 3 -p "Hello" --exact --max-tokens 64
     flotilla pipeline --model demo --split 0:3,3:6,6:8      # REPL without -p
+    flotilla pipeline --model ~/models/Llama-3.1-8B --weights int4 --plan-only
 
-Plans (an even split over equal local peers, or --split), exports/caches the
-shards, starts one worker process per stage on loopback, chats through them
-like `flotilla chat` (tok/s after each answer) and stops every process on
-exit, on Ctrl-C and on errors.
+Plans (an even split over equal local peers, or --split) at the weight
+precision asked (--weights auto: the most precise at which the plan fits, from
+the checkpoint's own dtype down), prints that plan, then exports/caches the
+shards at its precision, starts one worker process per stage on loopback,
+chats through them like `flotilla chat` (tok/s after each answer) and stops
+every process on exit, on Ctrl-C and on errors. A plan that does not fit is
+refused with its stage named before anything is exported.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from engine.cli.chat_cmd import (add_sampling_arguments, add_speculative_argumen
 from engine.cli.errors import UserError
 from engine.cli.progress import TerminalProgress
 
+# The labels engine/pipeline/plan_weights.py accepts (kept here so --help needs no numpy import).
+WEIGHT_CHOICES = ("auto", "f32", "bf16", "fp16", "int8", "int4")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pipeline", help="run a model as a pipeline of local stage processes and chat with it")
@@ -30,7 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact", action="store_true",
                    help="f32 math and KV cache on every stage (matches transformers exactly; slower)")
     p.add_argument("--device", default="CPU", help="OpenVINO device of every stage (default: CPU)")
-    p.add_argument("--weights", choices=("f32", "fp16"), default="f32", help="shard weight precision (default f32)")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto",
+                   help="shard weight precision; auto (default) = the most precise at which the plan fits, "
+                        "starting at the checkpoint's own dtype")
+    p.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                   help="tokens of KV cache reserved per stream (default: the model's trained context)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the plan (stages, weights, memory per stage) and exit without exporting")
     p.add_argument("--threads", type=int, default=None,
                    help="OpenVINO inference threads per stage (default: the plugin's choice)")
     p.add_argument("--max-streams", type=int, default=8, help="streams in the ring at once (default 8)")
@@ -53,13 +66,23 @@ def fleet_config_from_args(args: argparse.Namespace):
         raise UserError(str(e)) from None
     if args.stages < 1:
         raise UserError("--stages must be at least 1")
+    context = getattr(args, "context", None)
+    if context is not None and context < 1:
+        raise UserError("--context must be at least 1 token")
+    if args.max_streams < 1:
+        raise UserError("--max-streams must be at least 1")
     return FleetConfig(model=args.model, stages=args.stages, split=split, exact=args.exact, device=args.device,
                        weights=args.weights, threads=args.threads, max_concurrent=args.max_streams,
-                       curve=not getattr(args, "plaintext", False))
+                       context_length=context, curve=not getattr(args, "plaintext", False))
+
+
+class _PlanShown(Exception):
+    """--plan-only: the plan was printed; stop before anything is exported."""
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
     from engine.pipeline.plan import PlanError
+    from engine.pipeline.plan_weights import describe_plan
     from engine.pipeline.runner import launch_pipeline
 
     sampling = sampling_from_args(args)  # validate before the (slow) start
@@ -67,8 +90,20 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     # SIGTERM becomes SystemExit so the finally below stops the stage processes.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     progress = TerminalProgress()
+    plan_only = getattr(args, "plan_only", False)
+
+    def show(plan) -> None:
+        progress.close()
+        out = sys.stdout if plan_only else sys.stderr
+        names = {s.peer_id: f"this PC #{i + 1}" for i, s in enumerate(plan.stages)}
+        print("\n".join(describe_plan(plan, names, chosen=cfg.weights)), file=out, flush=True)
+        if plan_only:
+            raise _PlanShown()
+
     try:
-        engine = launch_pipeline(cfg, progress, speculative=speculative_from_args(args))
+        engine = launch_pipeline(cfg, progress, speculative=speculative_from_args(args), on_plan=show)
+    except _PlanShown:
+        return 0
     except PlanError as e:
         raise UserError(str(e)) from None
     finally:

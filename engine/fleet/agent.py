@@ -38,10 +38,10 @@ from engine.fleet.idle import IdleSource, default_idle_source
 from engine.fleet.identity import NodeIdentity
 from engine.fleet.mdns import DEFAULT_TTL_S, MdnsAdvertiser, open_zeroconf
 from engine.fleet.paths import config_dir, data_dir, ensure_private_dir
-from engine.fleet.policy import MachineProbe, MachineState, SharingPolicy, check_start, evaluate
+from engine.fleet.policy import GB, MachineProbe, MachineState, SharingPolicy, check_start, evaluate
 from engine.fleet.security import (CONTROL_DOMAIN, PAIR_DOMAIN, FleetAuthenticator, PairingBook,
                                    curve_server)
-from engine.fleet.shards import ShardStore
+from engine.fleet.shards import NoRoom, ShardStore
 from engine.fleet.workers import (STOP_GRACE_S, LaunchOptions, Worker, WorkerSupervisor,
                                   pipeline_worker_command)
 from engine.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
@@ -258,7 +258,11 @@ class Agent:
                            tuple(shards.values())[:1024])
 
     async def _prepare(self, msg: PrepareRequest) -> PrepareReply:
-        cached, have = await self.store.prepare(msg.shard_id, msg.sha256, msg.size)
+        try:
+            cached, have = await self.store.prepare(msg.shard_id, msg.sha256, msg.size)
+        except NoRoom as e:
+            log.warning("refused shard %s (%s): %s", msg.sha256[:16], msg.shard_id, e)
+            raise
         return PrepareReply(msg.request_id, msg.sha256, cached, have)
 
     async def _chunk(self, msg: ChunkRequest) -> ChunkReply:
@@ -273,11 +277,8 @@ class Agent:
         if path is None or meta is None:
             raise ProtocolError("shard not cached here: prepare and send it first", "not_found")
         self.state = await asyncio.to_thread(self.probe.read)
-        used = sum(w.size for w in self.supervisor.running() if w.sha256 != msg.sha256)
-        decision = check_start(self.policy, self.state, msg.device, meta["size"], used)
-        if not decision.share:
-            raise ProtocolError(f"not sharing now: {decision.reason}", "overloaded")
-        shard = await asyncio.to_thread(self._unpacked, path, msg.sha256)
+        shard = await asyncio.to_thread(self._unpacked, msg.sha256)
+        self._check_memory(msg, meta, shard)
         opts = LaunchOptions(msg.device, msg.data_port, self.cfg.bind, msg.exact,
                              self._curve_file(msg.sha256, msg.ring_keys), self.cfg.data / "ov-cache",
                              msg.ring_keys)
@@ -288,16 +289,38 @@ class Agent:
                                 f"see the agent's logs/worker-{msg.sha256[:12]}.log", "internal")
         return LoadReply(msg.request_id, worker.info(), worker.data_port)
 
-    def _unpacked(self, path: Path, sha: str) -> Path:
-        """A shard bundle's folder (unpacked once, next to it); other files as they are."""
-        from engine.fleet.bundle import BundleError, is_bundle, unpack
+    def _check_memory(self, msg: LoadRequest, meta: dict, shard: Path) -> None:
+        """Refuse (overloaded, the code and numbers in the reason) a worker that would not fit
+        the policy's RAM cap or free RAM less the OS reserve: its shard + KV for the
+        request's context x streams (LoadRequest.context_length / streams when the protocol
+        carries them, else DEFAULT_CONTEXT x 1) + the runtime reserve. Running workers count
+        with what they were sized at."""
+        import json
 
-        if not is_bundle(path):
-            return path
+        from engine.fleet.policy import start_need
+        from engine.models.profile import DEFAULT_CONTEXT
+
         try:
-            return unpack(path, path.with_name(f"{sha}.d"))
-        except BundleError as e:
-            raise ProtocolError(f"cannot unpack the shard: {e}") from None
+            manifest = json.loads((shard / "shard.json").read_text()) if shard.is_dir() else None
+        except (OSError, ValueError):
+            manifest = None
+        context = int(getattr(msg, "context_length", 0) or DEFAULT_CONTEXT)
+        streams = int(getattr(msg, "streams", 0) or 1)
+        need = start_need(meta["size"], manifest, msg.device, msg.exact, context, streams)
+        sized = self.__dict__.setdefault("_start_needs", {})  # sha256 -> bytes it was started with
+        used = sum(sized.get(w.sha256, w.size) for w in self.supervisor.running() if w.sha256 != msg.sha256)
+        decision = check_start(self.policy, self.state, msg.device, meta["size"], used, need)
+        if not decision.share:
+            raise ProtocolError(f"not sharing now: {decision.reason} [{decision.code}]", "overloaded")
+        sized[msg.sha256] = need.total
+
+    def _unpacked(self, sha: str) -> Path:
+        """The shard's folder (bundles arrive unpacked, shards.py); other shards
+        as the file they are. Raises ProtocolError if it vanished meanwhile."""
+        path = self.store.shard_path(sha)
+        if path is None:
+            raise ProtocolError("shard not cached here: prepare and send it first", "not_found")
+        return path
 
     def _curve_file(self, sha: str, ring_keys: tuple[str, ...]) -> Path:
         """The worker's CURVE setup (0600): our node key, paired controllers, the ring's agents."""
@@ -329,10 +352,17 @@ class Agent:
         return AgentInfo(
             node_id=self.identity.node_id, hostname=sysinfo.hostname(), os=sysinfo.os_name(),
             version=__version__, protocol=PROTOCOL_VERSION, devices=sysinfo.openvino_devices(),
-            ram_total=s.ram_total, ram_available=s.ram_available, idle=idle,
+            ram_total=s.ram_total, ram_available=self._shareable_ram(s), idle=idle,
             idle_since=None if s.idle_since is None else max(0.0, s.idle_since), on_ac=s.on_ac,
             control_port=self.ports[0], pair_port=self.ports[1], info_port=self.ports[2],
             public_key=self.keys.public, fingerprint=self.keys.fingerprint)
+
+    def _shareable_ram(self, s: MachineState) -> int:
+        """What new shards may use now: free RAM, at most the sharing policy's RAM cap
+        less what running workers were started with (planners size plans by this)."""
+        sized = self.__dict__.get("_start_needs", {})
+        used = sum(sized.get(w.sha256, w.size) for w in self.supervisor.running())
+        return max(0, min(s.ram_available, int(self.policy.max_ram_gb * GB) - used))
 
     def _stamp(self) -> float | None:
         try:

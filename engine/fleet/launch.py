@@ -4,6 +4,7 @@
     peers = discover(["127.0.0.1"], want=2)        # or Peer objects of manual peers
     engine = launch_fleet(keys, peers, LaunchConfig(model="demo"), progress,
                           on_event=lambda ev: print(ev.message))
+    # or launch_fleet(keys, peers, cfg, plan=plan): the user's Plan, launched as is
     ...                                            # any Engine use: submit / stream / cancel
     engine.close()                                 # also unloads every worker
 
@@ -11,11 +12,18 @@ Steps, each failing with a clear message before the next starts:
 1. connect to every peer's control port (CURVE; NotPaired when it does not
    know our key) and ask its Status: the sharing decision, RAM, devices;
    peers that do not share right now are left out (and said why).
-2. plan: `auto_plan` over those peers' profiles (or an even split over
-   the `stages` best peers). Peers announcing the same address talk over
-   loopback in the cost model. A plan that does not fit raises PlanError
-   here: nothing was sent or started.
-3. shards: each stage's range is exported (cache), packed into one bundle
+2. plan: the user's Plan when one is given (the plan editor's): validated
+   against the agents' fresh figures (engine.pipeline.plan_validate) and
+   launched as is -- boundaries, per-stage peer and device, weight precision,
+   context, streams -- never re-planned; a stage that no longer fits (a peer
+   left or stopped sharing, its memory shrank) is refused by name. Without
+   one the launcher plans by itself: `auto_plan` over those peers' profiles
+   (or an even split over the `stages` best peers), weights "auto" resolved
+   by the planner to the most precise that fits, and the
+   plan is reported (progress lines "plan: ...") before anything is exported.
+   Peers announcing the same address talk over loopback in the cost model. A
+   plan that does not fit raises PlanError here: nothing was sent or started.
+3. shards: each stage's range is exported (cache) at the plan's precision, packed into one bundle
    (engine/fleet/bundle.py) and sent to its agent, resumable and hashed
    (skipped when the agent has it), all agents in parallel.
 4. load: each agent starts a real shard worker (engine/pipeline/worker.py)
@@ -66,10 +74,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.fleet.client import AgentClient, FleetError, NotPaired, async_pair
+from engine.fleet.client import AgentClient, AgentRefused, FleetError, NotPaired, async_pair
 from engine.fleet.curve_data import CurveEnd
 from engine.fleet.discovery import Combined, Discovery, ManualPeers, Peer
 from engine.fleet.security import KeyPair
+from engine.pipeline import plan_weights
 from engine.pipeline.plan import (DEFAULT_PREFERENCE, DEVICE_KINDS, LOOPBACK_LINK, DeviceProfile, PeerProfile,
                                   Plan, PlanError, PlanModel, PlanRequest, auto_plan)
 from engine.protocol.control import AgentEvent, StatusReply
@@ -83,9 +92,12 @@ class LaunchConfig:
     model: str = "demo"  # model spec: demo id, HF folder or hub id
     stages: int | None = None  # None = auto_plan chooses; k = even split over the k roomiest peers
     exact: bool = False  # f32 inference + KV cache on every stage (matches transformers)
-    weights: str = "f32"  # shard weight precision: "f32" or "fp16"
-    context_length: int | None = None  # tokens per stream (KV sizing); None = the model's own
-    max_concurrent: int = 4  # streams in the ring at once (KV reserved for each on every stage)
+    # Shard weight precision when the launcher plans: "auto" = the most precise at which the plan fits
+    # (from the checkpoint's own dtype down), or "f32" | "bf16" | "fp16" | "int8" | "int4". With a user
+    # plan it must be "auto" or that plan's own precision (the plan decides).
+    weights: str = "auto"
+    context_length: int | None = None  # tokens per stream (KV sizing); None = the model's own; a user plan's wins
+    max_concurrent: int = 4  # streams in the ring at once (KV reserved for each on every stage); a user plan's wins
     prefill_chunk: int = 512  # prompt tokens per step
     device_preference: tuple[str, ...] = DEFAULT_PREFERENCE  # device kinds, best first
     controller_host: str | None = None  # address stages dial back; None = ours toward the first peer
@@ -154,7 +166,9 @@ def peer_profile(peer: Peer, status: StatusReply | None = None) -> PeerProfile:
     info = status.info if status is not None else peer.info
     devices = tuple(DeviceProfile(d.name.split(".")[0].upper(), d.name) for d in info.devices
                     if d.name.split(".")[0].upper() in DEVICE_KINDS)
-    return PeerProfile(info.node_id, f"{info.hostname}-{info.node_id[:6]}", devices, info.ram_available)
+    # ram_available: what the agent shares now (min of free RAM and its policy cap); RAM total sizes the OS reserve.
+    return PeerProfile(info.node_id, f"{info.hostname}-{info.node_id[:6]}", devices, info.ram_available,
+                       info.ram_total)
 
 
 def peer_links(peers: Sequence[Peer]) -> dict[tuple[str, str], Any]:
@@ -255,13 +269,15 @@ class FleetSession:
     """One pipeline's agents: control clients, shards, workers and their events."""
 
     def __init__(self, keys: KeyPair, peers: Sequence[Peer], cfg: LaunchConfig = LaunchConfig(),
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, plan: Plan | None = None) -> None:
         if not peers:
             raise FleetError("no agents to launch on: start `flotilla agent` on the PCs (and pair them)")
         self.keys, self.cfg = keys, cfg
         self.peers = {p.node_id: p for p in peers}
         self.progress = progress or (lambda _m, _f: None)
-        self.plan: Plan | None = None
+        self.user_plan = plan  # the user's plan: launched as is (checked, never re-planned); None = we plan
+        self.plan: Plan | None = None  # the plan being launched (the user's very object when given)
+        self.plan_lines: list[str] = []  # the plan as reported before export (when the launcher planned)
         self.stages: list[_Stage] = []
         self.statuses: dict[str, StatusReply] = {}
         self.left_out: dict[str, str] = {}  # node_id -> why it was not used
@@ -290,6 +306,7 @@ class FleetSession:
     def launch(self) -> Any:
         """Plan, send, load and wire; returns the PipelineEngine (engine.fleet = self)."""
         from engine.models import profile_model, resolve_model
+        from engine.models.profile import default_context
         from engine.serve.local import context_from_config
 
         t0 = time.monotonic()
@@ -297,7 +314,13 @@ class FleetSession:
         model_path = Path(resolved.path)
         self.model_id = resolved.model_id
         trained = context_from_config(model_path)
-        self.context_length = min(self.cfg.context_length, trained) if self.cfg.context_length else trained
+        self._trained = trained
+        if self.user_plan is not None:  # the plan's context and streams, as the user saw them
+            self.context_length, self.streams = self.user_plan.context_length, self.user_plan.streams
+        else:  # None: what a chat user picks (DEFAULT_CONTEXT, at most the model's), not its maximum
+            self.context_length = (min(self.cfg.context_length, trained) if self.cfg.context_length
+                                   else default_context(trained))
+            self.streams = self.cfg.max_concurrent
         model = PlanModel.from_profile(profile_model(resolved))
         # The tokenizer (and transformers' import, seconds) loads while shards travel.
         tok: list[Any] = []
@@ -348,9 +371,13 @@ class FleetSession:
             raise errors[0]
 
     def _make_plan(self, model: PlanModel) -> Plan:
-        from engine.pipeline.plan_validate import evaluate_plan, validate_plan
+        """The plan to launch: the user's (checked) or our own (reported); PlanError before anything is sent."""
+        from engine.pipeline.plan_validate import evaluate_plan
         from engine.pipeline.runner import even_split
 
+        if self.user_plan is not None:
+            return self._check_user_plan(model)
+        plan_weights.check_choice(self.cfg.weights)
         usable = []
         for nid, st in self.statuses.items():
             if not st.sharing:
@@ -361,9 +388,9 @@ class FleetSession:
             why = "; ".join(f"{self.peers[n].info.hostname}: {r}" for n, r in self.left_out.items())
             raise PlanError(f"no agent shares its PC right now ({why})")
         profiles = [peer_profile(p, self.statuses[p.node_id]) for p in usable]
-        request = PlanRequest(context_length=self.context_length, streams=self.cfg.max_concurrent,
-                              kv_dtype_bytes=4.0 if self.cfg.exact else None,
-                              weight_precision="fp32" if self.cfg.weights == "f32" else "fp16")
+        # "auto" weights: the planner picks the most precise at which its plan fits.
+        request = PlanRequest(context_length=self.context_length, streams=self.streams, exact=self.cfg.exact,
+                              weight_precision=self.cfg.weights)
         links = peer_links(usable)
         if self.cfg.stages is None:
             plan = auto_plan(model, profiles, request, links, self.cfg.device_preference)
@@ -378,38 +405,95 @@ class FleetSession:
                 if not kinds:
                     raise PlanError(f"{prof.name} offers no device of kinds {', '.join(self.cfg.device_preference)}")
                 specs.append((prof.peer_id, kinds[0].name, s, e))
-            issues = validate_plan(specs, model, profiles, request)
-            if issues:
-                raise PlanError("the plan does not fit the fleet: " + "; ".join(i.message for i in issues), issues)
             plan = evaluate_plan(specs, model, profiles, request, links)
-        self.stages = [_Stage(i, self.peers[s.peer_id], s.device, s.start, s.end) for i, s in enumerate(plan.stages)]
-        self._plan_model, self._plan_request = model, request
+            plan_weights.check_plan(plan, model, profiles, plan_weights.request_of(plan),
+                                    "the plan does not fit the fleet", asked=self.cfg.weights)
+        # We planned: show the plan we will use before anything is exported.
+        names = {p.node_id: p.info.hostname for p in usable}
+        self.plan_lines = plan_weights.describe_plan(plan, names, chosen=self.cfg.weights)
+        for line in self.plan_lines:
+            log.info("fleet: %s", line.strip())
+            self.progress(line, 0.0)
+        self._adopt(plan, model, plan_weights.request_of(plan))
         return plan
+
+    def _check_user_plan(self, model: PlanModel) -> Plan:
+        """The user's plan, unchanged, once it still fits the agents as they are now."""
+        plan = self.user_plan
+        precision = plan_weights.plan_precision(plan)
+        if self.cfg.weights not in ("auto", precision):
+            raise plan_weights.refuse(None, "weights_conflict",
+                                      f"the plan's weights are {precision} but {self.cfg.weights} was asked: "
+                                      "change the precision in the plan")
+        if plan.model_id and model.model_id and plan.model_id != model.model_id:
+            raise plan_weights.refuse(None, "model_mismatch",
+                                      f"the plan is for {plan.model_id}, not {model.model_id}: plan again")
+        if plan.context_length > self._trained:
+            raise plan_weights.refuse(None, "context_too_long",
+                                      f"the plan reserves {plan.context_length} tokens of context but "
+                                      f"{self.model_id} was trained for {self._trained}")
+        for i, st in enumerate(plan.stages):
+            peer = self.peers.get(st.peer_id)
+            if peer is None:
+                raise plan_weights.refuse(i, "peer_gone", f"stage {i} (layers {st.start}–{st.end}): its peer "
+                                                          f"{st.peer_id[:8]} is not among the agents any more")
+            status = self.statuses.get(st.peer_id)
+            if status is not None and not status.sharing:
+                raise plan_weights.refuse(i, "not_sharing",
+                                          f"stage {i} (layers {st.start}–{st.end}): {peer.info.hostname} does "
+                                          f"not share its PC right now: {status.reason or 'policy'}")
+        for nid in self.peers:
+            if nid not in plan.peer_ids:
+                self.left_out[nid] = "not in the plan"
+        used = [self.peers[pid] for pid in dict.fromkeys(plan.peer_ids)]
+        profiles = [peer_profile(p, self.statuses.get(p.node_id)) for p in used]
+        # Checked as it will run: exact mode (f32 KV) if this launch asks for it.
+        request = plan_weights.request_of(plan, exact=plan.exact or self.cfg.exact)
+        plan_weights.check_plan(plan, model, profiles, request, "the plan no longer fits the fleet")
+        self._adopt(plan, model, request)
+        return plan
+
+    def _adopt(self, plan: Plan, model: PlanModel, request: PlanRequest) -> None:
+        """Stages from the plan, exactly: peer, device and layer range of each."""
+        self.stages = [_Stage(i, self.peers[s.peer_id], s.device, s.start, s.end) for i, s in enumerate(plan.stages)]
+        self.precision = plan_weights.plan_precision(plan)  # what every shard is exported at
+        self._plan_model, self._plan_request = model, request
 
     def _export(self, model_path: Path, total: int) -> None:
         import openvino as ov
 
         from engine.fleet.bundle import cached_pack
         from engine.models.demo import cache_root
-        from engine.pipeline.export import (MANIFEST, _load_hf, ensure_shard, model_fingerprint, shard_cache_key,
-                                            shard_cache_root)
+        from engine.pipeline.export import MANIFEST, ensure_shard, model_fingerprint, shard_cache_key, shard_cache_root
 
         fp = model_fingerprint(model_path)
-        hf = None
-        for st in self.stages:
-            key = shard_cache_key(fp, st.start, st.end, self.cfg.weights, ov.get_version())
+        for st in self.stages:  # ranges and precision from the plan, one range at a time
+            key = shard_cache_key(fp, st.start, st.end, self.precision, ov.get_version())
             cached = (shard_cache_root() / key / MANIFEST).exists()
-            self.progress(f"{'packing' if cached else 'exporting'} shard {st.index} (layers {st.start}–{st.end})",
-                          st.index / len(self.stages))
-            if not cached and hf is None:
-                hf = _load_hf(model_path)
-            info = ensure_shard(model_path, st.start, st.end, num_layers_total=total, precision=self.cfg.weights,
-                                hf_model=hf)
+            self.progress(f"{'packing' if cached else 'exporting'} shard {st.index} (layers {st.start}–{st.end}, "
+                          f"{self.precision})", st.index / len(self.stages))
+            info = ensure_shard(model_path, st.start, st.end, num_layers_total=total, precision=self.precision)
             st.bundle, st.sha256 = cached_pack(Path(info.path), cache_root() / "bundles")
             st.shard_path = Path(info.path)
 
     async def _send_all(self) -> None:
+        # Each agent first says whether its disk can take its shard (PrepareRequest),
+        # so a full disk is one line naming the peer before any chunk travels anywhere.
+        refused = [r for r in await asyncio.gather(*(self._room_for(st) for st in self.stages)) if r]
+        if refused:
+            raise FleetError("; ".join(refused))
         await asyncio.gather(*(self._send_one(st) for st in self.stages))
+
+    def _shard_id(self, st: _Stage) -> str:
+        return f"{self.model_id[:80]}/L{st.start}-{st.end}"
+
+    async def _room_for(self, st: _Stage) -> str:
+        """"" when st's agent has its shard or room for it, else why not (one line)."""
+        try:
+            await self._clients[st.peer.node_id].prepare(self._shard_id(st), st.sha256, st.bundle.stat().st_size)
+        except AgentRefused as e:
+            return _refused(st, e)
+        return ""
 
     async def _send_one(self, st: _Stage) -> None:
         client = self._clients[st.peer.node_id]
@@ -420,8 +504,11 @@ class FleetSession:
             self.progress(f"sending shard {st.index} to {name}: {have / 1e6:.1f}/{total / 1e6:.1f} MB",
                           have / max(1, total))
 
-        last = await client.send_shard(st.bundle, f"{self.model_id[:80]}/L{st.start}-{st.end}", sha=st.sha256,
-                                       chunk=self.cfg.chunk_bytes, progress=shown)
+        try:
+            last = await client.send_shard(st.bundle, self._shard_id(st), sha=st.sha256,
+                                           chunk=self.cfg.chunk_bytes, progress=shown)
+        except AgentRefused as e:  # no room (or a bad bundle): name the peer
+            raise FleetError(_refused(st, e)) from None
         if getattr(last, "cached", False):
             self.progress(f"shard {st.index}: {name} already has it", 1.0)
         else:
@@ -454,7 +541,7 @@ class FleetSession:
         links = [st.link for st in self.stages]
         host = self.cfg.controller_host or local_address_toward(self.stages[0].peer.addresses[0])
         self._host = host
-        pcfg = PipelineConfig(max_concurrent=self.cfg.max_concurrent, prefill_chunk=self.cfg.prefill_chunk,
+        pcfg = PipelineConfig(max_concurrent=self.streams, prefill_chunk=self.cfg.prefill_chunk,
                               context_length=self.context_length, return_bind=f"tcp://{host}:*",
                               ready_timeout_s=self.cfg.ready_timeout_s, device=self.stages[0].device,
                               curve=CurveEnd(self.keys))
@@ -563,6 +650,10 @@ class FleetSession:
                       "shard_sha256": st.sha256, "sent_bytes": st.sent_bytes} for st in self.stages],
             "recoveries": [r.to_dict() for r in getattr(getattr(self.engine, "recovery", None), "records", [])],
             "predicted_tok_s": round(self.plan.predicted_tok_s, 1) if self.plan else None,
+            "weights": plan_weights.plan_precision(self.plan) if self.plan else None,
+            "context_length": self.plan.context_length if self.plan else None,
+            "streams": self.plan.streams if self.plan else None,
+            "user_plan": self.user_plan is not None,
             "timings_s": {k: round(v, 2) for k, v in self.timings.items()},
         }
 
@@ -779,6 +870,13 @@ def _log_migration(fut: Any, msg: str) -> None:
         log.warning("fleet: %s: migration failed: %s", msg, e)
 
 
+def _refused(st: _Stage, e: AgentRefused) -> str:
+    """One line naming the peer that refused st's shard, with the agent's reason."""
+    peer = f"{st.peer.info.hostname} ({st.peer.info.fingerprint})"
+    return (f"{peer} cannot take shard {st.index} (layers {st.start}–{st.end}): "
+            f"{e.reply.message} [{e.reply.code}]")
+
+
 def _one_line(e: BaseException) -> str:
     return (" ".join(str(e).split()) or type(e).__name__)[:200]
 
@@ -806,12 +904,13 @@ def _break_engine(engine: Any, reason: str) -> None:
 
 def launch_fleet(keys: KeyPair, peers: Sequence[Peer], cfg: LaunchConfig = LaunchConfig(),
                  progress: Progress | None = None,
-                 on_event: Callable[[FleetEvent], None] | None = None) -> Any:
-    """Plan over the peers, send the shards, start the workers, wire a
-    PipelineEngine; engine.close() unloads everything. Raises PlanError before
-    anything is sent when no plan fits, NotPaired for an agent that does not
-    know our key, FleetError/EngineError for anything else (after cleaning up)."""
-    session = FleetSession(keys, peers, cfg, progress)
+                 on_event: Callable[[FleetEvent], None] | None = None, *, plan: Plan | None = None) -> Any:
+    """Launch `plan` as is (checked, never re-planned), or plan over the peers;
+    send the shards, start the workers, wire a PipelineEngine; engine.close()
+    unloads everything. Raises PlanError before anything is sent when the plan
+    does not fit (naming the stage), NotPaired for an agent that does not know
+    our key, FleetError/EngineError for anything else (after cleaning up)."""
+    session = FleetSession(keys, peers, cfg, progress, plan=plan)
     if on_event is not None:
         session.add_listener(on_event)
     return session.launch()

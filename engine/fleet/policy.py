@@ -80,7 +80,53 @@ class MachineState:
 @dataclass(frozen=True)
 class Decision:
     share: bool  # new work may start and running work may stay
-    reason: str  # why not ("" when share)
+    reason: str  # why not ("" when share), with the numbers
+    # why not, for programs: "" | not_sharing | device | policy_cap | ram | cpu_busy
+    code: str = ""
+    need_bytes: int = 0  # policy_cap / ram: what the new worker needs
+    limit_bytes: int = 0  # policy_cap: what the cap leaves; ram: free RAM less the OS reserve
+
+
+@dataclass(frozen=True)
+class StartNeed:
+    """What a worker will hold, sized by the agent before it starts one (the same
+    memory model as the planner's stage, engine/pipeline/plan.py)."""
+
+    weights: int  # the shard's bytes
+    kv: int  # KV for context x streams tokens over its layers, at the runtime's KV width and peak
+    runtime: int  # measured runtime reserve + the prefill chunk's activations
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.runtime
+
+
+def start_need(shard_bytes: int, manifest: dict | None, device: str, exact: bool,
+               context_length: int, streams: int) -> StartNeed:
+    """A worker's memory from its shard manifest (shard.json: layer range, KV heads,
+    head dim, hidden size); no manifest: weights and the fixed runtime reserve only."""
+    from engine.pipeline import plan
+
+    if not manifest:
+        return StartNeed(int(shard_bytes), 0, plan.RUNTIME_RESERVE_BYTES)
+    kind = device.split(".")[0].upper()
+    kind = kind if kind in plan.DEVICE_KINDS else "CPU"
+    layers = int(manifest["end"]) - int(manifest["start"])
+    head_dim, kv_heads = int(manifest["head_dim"]), int(manifest["num_kv_heads"])
+    elements = 2 * kv_heads * head_dim  # K + V of one token in one layer
+    el = plan.kv_element_bytes(kind, exact, head_dim=head_dim)
+    kv = int(elements * layers * context_length * streams * el * plan.kv_growth(kind, exact))
+    hidden = int(manifest.get("hidden_size") or head_dim)
+    u8 = not exact and plan.KV_DEFAULT_PRECISION.get(kind) == "u8"
+    # The manifest names no query heads or MLP width: hidden / head_dim and 4 x hidden
+    # (Llama-3 8B: 32 heads, 3.5 x hidden), the scratch's usual shape.
+    scratch = plan.prefill_scratch(max(1, hidden // head_dim), 4 * hidden, context_length,
+                                   dequant_kv_elements=elements if u8 else 0)
+    return StartNeed(int(shard_bytes), kv, plan.RUNTIME_RESERVE_BYTES + scratch)
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f} GB"
 
 
 def evaluate(policy: SharingPolicy, state: MachineState) -> Decision:
@@ -99,20 +145,32 @@ def evaluate(policy: SharingPolicy, state: MachineState) -> Decision:
 
 
 def check_start(policy: SharingPolicy, state: MachineState, device: str, shard_bytes: int,
-                used_bytes: int) -> Decision:
+                used_bytes: int, need: StartNeed | None = None) -> Decision:
     """May a worker for a shard of shard_bytes start on device, with used_bytes
-    already taken by running workers?"""
+    already taken by running workers? need (start_need) adds its KV and runtime
+    reserve; the worker must fit both the policy's RAM cap and free RAM less the
+    OS reserve (engine.pipeline.plan.os_reserve)."""
+    from engine.pipeline.plan import os_reserve
+
     base = evaluate(policy, state)
     if not base.share:
-        return base
+        return Decision(False, base.reason, "not_sharing")
     if not policy.allows_device(device):
-        return Decision(False, f"device {device} is not shared (policy: {', '.join(policy.devices)})")
-    if used_bytes + shard_bytes > policy.max_ram_gb * GB:
-        return Decision(False, f"over the RAM limit of {policy.max_ram_gb:g} GB")
-    if shard_bytes > state.ram_available:
-        return Decision(False, "not enough free RAM")
+        return Decision(False, f"device {device} is not shared (policy: {', '.join(policy.devices)})", "device")
+    need = need or StartNeed(int(shard_bytes), 0, 0)
+    parts = f"weights {_gb(need.weights)} + KV {_gb(need.kv)} + runtime {_gb(need.runtime)}"
+    cap = int(policy.max_ram_gb * GB)
+    left = max(0, cap - used_bytes)
+    if need.total > left:
+        return Decision(False, f"needs {_gb(need.total)} ({parts}) but the RAM limit of {policy.max_ram_gb:g} GB "
+                               f"leaves {_gb(left)} ({_gb(used_bytes)} in use)", "policy_cap", need.total, left)
+    reserve = os_reserve(state.ram_total)
+    free = max(0, state.ram_available - reserve)
+    if need.total > free:
+        return Decision(False, f"not enough free RAM: needs {_gb(need.total)} ({parts}), {_gb(state.ram_available)} "
+                               f"free less {_gb(reserve)} for the OS leaves {_gb(free)}", "ram", need.total, free)
     if state.cpu_percent > policy.max_cpu_percent_to_start:
-        return Decision(False, f"CPU busy ({state.cpu_percent:.0f}%)")
+        return Decision(False, f"CPU busy ({state.cpu_percent:.0f}%)", "cpu_busy")
     return Decision(True, "")
 
 

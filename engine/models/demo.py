@@ -51,13 +51,16 @@ class DemoRecipe:
     description: str  # one line for `flotilla models list`
     tokenizer_of: str | None = None  # share another recipe's tokenizer (drafts)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Weights as saved: "f32", "bf16" or "fp16" (drawn in f32 with the seed, then cast),
+    # so tests can build checkpoints stored like real ones (bf16) from the same draw.
+    dtype: str = "f32"
 
     def fingerprint(self) -> str:
-        blob = json.dumps(
-            {"v": RECIPE_VERSION, "cls": self.config_class, "cfg": self.config,
-             "seed": self.seed, "corpus": _corpus_digest()},
-            sort_keys=True,
-        )
+        spec = {"v": RECIPE_VERSION, "cls": self.config_class, "cfg": self.config,
+                "seed": self.seed, "corpus": _corpus_digest()}
+        if self.dtype != "f32":  # f32 recipes keep the fingerprint (and cache folder) they always had
+            spec["dtype"] = self.dtype
+        blob = json.dumps(spec, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -212,6 +215,11 @@ def _build_model(recipe: DemoRecipe, tok, out: Path) -> None:
     import torch
     import transformers
 
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if recipe.dtype not in dtypes:
+        raise ModelError(f"demo recipe {recipe.demo_id}: dtype must be one of {', '.join(dtypes)}, "
+                         f"not {recipe.dtype!r}")
+
     config_cls = getattr(transformers, recipe.config_class)
     config = config_cls(
         vocab_size=len(tok),
@@ -222,5 +230,7 @@ def _build_model(recipe: DemoRecipe, tok, out: Path) -> None:
     )
     torch.manual_seed(recipe.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if recipe.dtype != "f32":
+        model = model.to(dtypes[recipe.dtype])
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True, max_shard_size="100GB")

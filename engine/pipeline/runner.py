@@ -10,7 +10,10 @@ Steps, each of which can fail with a clear message before the next starts:
    (validate_plan): a plan that does not fit raises PlanError and nothing is
    launched. (auto_plan would put a small model on one peer: with equal peers
    the fewest-peers plan wins, so the user's stage count is honoured instead.)
-2. export: every stage's shard from the cache, exported on a miss (progress).
+   Weights "auto" become the most precise precision at which that split fits
+   (the planner resolves it); on_plan shows the plan before step 2.
+2. export: every stage's shard from the cache at the plan's precision,
+   exported on a miss (progress).
 3. launch: one `python -m engine.pipeline.worker` per stage on loopback, each
    binding a free port it reports on stdout, in its own session (Ctrl-C in
    the terminal reaches only us), watching our pid so it exits if we die.
@@ -41,6 +44,7 @@ from typing import Any, Callable
 
 from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink, describe_exit, log_tail
 from engine.serve.interface import EngineError
+from engine.pipeline import plan_weights
 from engine.pipeline.plan import DEVICE_KINDS, DeviceProfile, PeerProfile, Plan, PlanError, PlanModel, PlanRequest
 
 log = logging.getLogger(__name__)
@@ -62,10 +66,12 @@ class FleetConfig:
     split: tuple[tuple[int, int], ...] | None = None  # explicit [start, end) ranges, in ring order
     exact: bool = False  # f32 inference + f32 KV cache on every stage (bit-comparable with torch)
     device: str = "CPU"  # OpenVINO device of every stage
-    weights: str = "f32"  # shard weight precision: "f32" or "fp16"
+    # Shard weight precision: "auto" = the most precise at which the plan fits, from the checkpoint's own
+    # dtype down (the planner's choose_precision), or one of "f32", "bf16", "fp16", "int8", "int4".
+    weights: str = "auto"
     threads: int | None = None  # OpenVINO inference threads per stage; None = plugin default
     ram_budget_bytes: int | None = None  # RAM all stages may use together; None = available RAM
-    context_length: int | None = None  # tokens per stream (KV sizing and the engine's cap); None = model's
+    context_length: int | None = None  # tokens per stream (KV sizing, the engine's cap); None = default_context
     max_concurrent: int = 8  # streams in the ring at once (KV reserved for each on every stage)
     prefill_chunk: int = 512  # prompt tokens per step
     host: str = "127.0.0.1"  # where workers bind; loopback keeps the data plane private
@@ -111,23 +117,24 @@ def available_ram() -> int:
 
 
 def plan_local(model: PlanModel, cfg: FleetConfig, context_length: int) -> Plan:
-    """The checked plan of cfg on this PC; PlanError (a user-facing reason) if it cannot run."""
-    from engine.pipeline.plan_validate import evaluate_plan, validate_plan
+    """The checked plan of cfg on this PC, its weight precision resolved by the planner
+    (cfg.weights "auto": the most precise that fits); PlanError (a user-facing reason,
+    each stage named) if it cannot run."""
+    from engine.pipeline.plan_validate import evaluate_plan
 
     ranges = cfg.split or even_split(model.num_layers, cfg.stages)
     budget = cfg.ram_budget_bytes if cfg.ram_budget_bytes is not None else available_ram()
     n = len(ranges)
     kind = cfg.device.split(".")[0].upper()
     device = DeviceProfile(kind if kind in DEVICE_KINDS else "CPU", cfg.device)
-    peers = [PeerProfile(f"local-{i}", f"stage {i}", (device,), budget // n) for i in range(n)]
-    request = PlanRequest(context_length=context_length, streams=cfg.max_concurrent,
-                          kv_dtype_bytes=4.0 if cfg.exact else None,
-                          weight_precision="fp32" if cfg.weights == "f32" else "fp16")
+    peers = [PeerProfile(f"local-{i}", f"this PC #{i + 1}", (device,), budget // n) for i in range(n)]
+    request = PlanRequest(context_length=context_length, streams=cfg.max_concurrent, exact=cfg.exact,
+                          weight_precision=plan_weights.check_choice(cfg.weights))
     specs = [(p.peer_id, cfg.device, s, e) for p, (s, e) in zip(peers, ranges)]
-    issues = validate_plan(specs, model, peers, request)
-    if issues:
-        raise PlanError("the plan cannot run on this PC: " + "; ".join(i.message for i in issues), issues)
-    return evaluate_plan(specs, model, peers, request)
+    plan = evaluate_plan(specs, model, peers, request)
+    plan_weights.check_plan(plan, model, peers, plan_weights.request_of(plan), "the plan cannot run on this PC",
+                            asked=cfg.weights)
+    return plan
 
 
 class LocalFleet:
@@ -135,6 +142,7 @@ class LocalFleet:
 
     def __init__(self, cfg: FleetConfig, progress: Progress | None = None) -> None:
         from engine.models import profile_model, resolve_model
+        from engine.models.profile import default_context
         from engine.serve.local import context_from_config
 
         self.cfg = cfg
@@ -143,8 +151,11 @@ class LocalFleet:
         self.model_path = Path(self.resolved.path)
         self.profile = profile_model(self.resolved)
         trained = context_from_config(self.model_path)
-        self.context_length = min(cfg.context_length, trained) if cfg.context_length else trained
-        self.plan = plan_local(PlanModel.from_profile(self.profile), cfg, self.context_length)
+        # None: what a chat user picks (DEFAULT_CONTEXT, at most the model's), not a 128k maximum.
+        self.context_length = min(cfg.context_length, trained) if cfg.context_length else default_context(trained)
+        model = PlanModel.from_profile(self.profile)
+        self.checkpoint = model.checkpoint_precision  # the model's own dtype: where weights "auto" starts
+        self.plan = plan_local(model, cfg, self.context_length)
         self.procs: list[subprocess.Popen] = []
         self.links: list[StageLink] = []
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="flotilla-pipeline-"))
@@ -155,28 +166,25 @@ class LocalFleet:
 
     # -- export ------------------------------------------------------------------
     def export(self) -> list[Any]:
-        """ShardInfo of every stage, exporting missing ones (the HF model loads only then)."""
+        """ShardInfo of every stage at the plan's weight precision, exporting missing ones."""
         import openvino as ov
 
         from engine.pipeline.export import (MANIFEST, ensure_shard, model_fingerprint, shard_cache_key,
                                             shard_cache_root)
-
         fp = model_fingerprint(self.model_path)
         total = self.profile.num_layers
-        hf_model, infos = None, []
+        precision = plan_weights.plan_precision(self.plan)  # the plan's, never re-chosen here
+        infos = []
         stages = self.plan.stages
         for i, st in enumerate(stages):
-            key = shard_cache_key(fp, st.start, st.end, self.cfg.weights, ov.get_version())
+            key = shard_cache_key(fp, st.start, st.end, precision, ov.get_version())
             cached = (shard_cache_root() / key / MANIFEST).exists()
-            self.progress(f"{'shard' if cached else 'exporting shard'} {i} (layers {st.start}–{st.end})",
-                          i / len(stages))
+            self.progress(f"{'shard' if cached else 'exporting shard'} {i} (layers {st.start}–{st.end}, "
+                          f"{precision})", i / len(stages))
             self.on_stage(i, "transfer", 0.0)
-            if not cached and hf_model is None:
-                from engine.pipeline.export import _load_hf
-
-                hf_model = _load_hf(self.model_path)
+            # One range at a time: the exporter reads only that range's weights.
             infos.append(ensure_shard(self.model_path, st.start, st.end, num_layers_total=total,
-                                      precision=self.cfg.weights, hf_model=hf_model))
+                                      precision=precision))
             self.on_stage(i, "transfer", 1.0)
         self.progress(f"{len(stages)} shards ready", 1.0)
         return infos
@@ -313,9 +321,12 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
                     engine_config: PipelineConfig | None = None, speculative: Any = None, *,
                     on_stage: StageProgress | None = None,
-                    cancel: threading.Event | None = None) -> PipelineEngine:
+                    cancel: threading.Event | None = None,
+                    on_plan: Callable[[Plan], None] | None = None) -> PipelineEngine:
     """Plan, export, start and wire a local pipeline; engine.close() stops it.
 
+    on_plan(plan) sees the checked plan (its weight precision resolved) before
+    anything is exported: what a terminal shows the user first.
     on_stage(i, phase, fraction) reports each stage's progress (transfer,
     compile, ready); setting `cancel` stops every process started so far and
     raises LaunchCancelled (an EngineError: "launch cancelled").
@@ -323,6 +334,8 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
     EngineError (after stopping whatever started) when a stage fails to come up."""
     cancel = cancel or threading.Event()
     fleet = LocalFleet(cfg, progress)  # plans: may raise PlanError, nothing started yet
+    if on_plan is not None:
+        on_plan(fleet.plan)
 
     def stage(i: int, phase: str, fraction: float) -> None:
         if cancel.is_set():

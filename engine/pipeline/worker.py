@@ -88,7 +88,7 @@ class WorkerConfig:
     device: str = "CPU"  # OpenVINO device
     exact: bool = False  # f32 inference + f32 KV cache (bit-comparable with torch)
     threads: int | None = None  # INFERENCE_NUM_THREADS; None = the plugin's choice
-    cache_dir: Path | None = None  # OpenVINO compiled-blob cache
+    cache_dir: Path | None = None  # compiled-blob cache, used only where compiling is slow (GPU/NPU; ov_compile)
     name: str = ""  # how errors name this stage until a StageConfigure names it
     parent_pid: int | None = None  # exit when this process is gone (no orphans)
     max_chunk: int = 8192  # tokens per step at most
@@ -150,7 +150,8 @@ class ShardWorker:
         return self.endpoint
 
     def load(self) -> None:
-        from engine.pipeline.export import ShardInfo, ShardRunner
+        from engine.pipeline.export import ShardInfo
+        from engine.pipeline.shard_runtime import ShardRunner
 
         self.info = ShardInfo.load(self.folder)
         config = {"INFERENCE_NUM_THREADS": int(self.cfg.threads)} if self.cfg.threads else {}
@@ -274,6 +275,8 @@ class ShardWorker:
                 "attention_mask": st.mask.feed(n),  # [1, past + n], 0 at hidden positions
                 "position_ids": st.mask.positions(n),  # [1, n], logical
             }
+            if self.info.last:  # logits only where they are read: every position to verify, else the last
+                feed["logits_to_keep"] = np.array([n if step.want_all else 1], np.int64)
             with computing(self):  # pings are answered meanwhile (engine/pipeline/health.py)
                 out = st.stream.run(feed)
             ms = (time.perf_counter() - t) * 1000.0
@@ -416,7 +419,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--device", default="CPU", help="OpenVINO device (default CPU)")
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache")
     p.add_argument("--threads", type=int, help="OpenVINO inference threads (default: the plugin's choice)")
-    p.add_argument("--cache-dir", type=Path, help="OpenVINO compiled-blob cache folder")
+    p.add_argument("--cache-dir", type=Path,
+                   help="OpenVINO compiled-blob cache folder (GPU/NPU; on CPU the shard compiles from its IR)")
     p.add_argument("--name", default="", help="stage name for logs and errors")
     p.add_argument("--parent-pid", type=int, help="exit when this process is no longer the parent")
     p.add_argument("--curve", type=Path, help="CURVE setup file (written by the agent): encrypt and "

@@ -104,7 +104,7 @@ class AgentInfo:
     protocol: int  # PROTOCOL_VERSION of the agent
     devices: tuple[DeviceInfo, ...]  # OpenVINO devices the agent has (not only shared ones)
     ram_total: int  # bytes
-    ram_available: int  # bytes, as of the last announcement (thresholded)
+    ram_available: int  # bytes shards may use now: min(free RAM, sharing cap - running workers), thresholded
     idle: bool  # the local user has been away long enough for the sharing policy
     idle_since: float | None  # unix time the user was last active, None if unknown
     on_ac: bool | None  # mains power; None if unknown

@@ -1,12 +1,20 @@
-"""The OpenVINO backend: export on first use, compile with a blob cache, one
-InferRequest (own KV state) per stream.
+"""The OpenVINO backend: export on first use, compile, one InferRequest (own KV state) per stream.
 
 Cache layout, under <FLOTILLA_CACHE or the user cache folder>/ov/:
-  <name>-<fingerprint>-ov<openvino>-oi<optimum-intel>/   the exported IR
-  compiled/                                            OpenVINO's CACHE_DIR
+  <name>-<fingerprint>-<weights>-ov<openvino>-oi<optimum-intel>/   the exported IR
+  compiled/                                      OpenVINO's CACHE_DIR (GPU/NPU only, ov_compile.py)
 An export is written to a temporary folder and renamed into place, so an
 interrupted export leaves nothing behind. A folder that already holds
-openvino_model.xml is used as is.
+openvino_model.xml is used as is. <weights> is the weight precision of the
+export (ov_weights.py: "auto" = the checkpoint's dtype), so formats never collide.
+
+Memory: the model holds its weights once. On CPU it is compiled straight from
+the IR (no blob: ov_compile.py has the measurements), and the IR gets a
+`logits_to_keep` input before the LM head (ov_logits.py), so a prefill chunk
+computes the last position's logits only, as openvino_genai does. Streams
+made here feed [1]; requests made by anyone else through `compiled` (the
+speculative streams, which verify K+1 positions at once) start at [0] = every
+position, the unsliced behaviour.
 
 Precision: "default" leaves the plugin's choice (on CPUs with bf16/AMX that is
 bf16 math and a u8 KV cache: fastest, not bit-exact); "f32" forces f32 math
@@ -23,20 +31,23 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from engine.runtime.backend import Progress
 from engine.runtime.errors import BackendError
+from engine.runtime.ov_compile import VIRTUAL_DEVICES, CompileConfigError
+from engine.runtime.ov_compile import compile_config as device_compile_config
+from engine.runtime.ov_logits import LOGITS_TO_KEEP, add_logits_to_keep
+from engine.runtime.ov_weights import WeightsError, checkpoint_dtype, compress_ir, export_arguments, resolve_weights
 
 IR_NAME = "openvino_model.xml"
-PRECISIONS = ("default", "f32", "f16", "bf16")
-VIRTUAL_DEVICES = ("AUTO", "MULTI", "HETERO", "BATCH")
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,8 @@ class OVConfig:
     precision: str = "default"  # see the module doc
     cache_root: Path | None = None  # None = <FLOTILLA_CACHE or user cache>/ov
     prefill_chunk: int = 512  # prompt tokens per infer call (bounds peak memory)
+    weights: str = "auto"  # weight precision of an export (ov_weights.py); an IR folder keeps its own
+    idle_requests: int = 2  # InferRequests of finished streams kept for new ones (each keeps its buffers)
 
 
 def ov_cache_root() -> Path:
@@ -72,13 +85,15 @@ def model_fingerprint(src: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def export_dir(src: Path, root: Path | None = None) -> Path:
+def export_dir(src: Path, root: Path | None = None, weights: str = "auto") -> Path:
+    """Where the export of src at `weights` ("auto" resolved to the checkpoint's dtype) lives."""
     import openvino as ov
 
+    label = resolve_weights(src, weights)
     ov_ver = ov.__version__.split("-")[0]
     oi_ver = metadata.version("optimum-intel")
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(src).name)[:48]
-    return (root or ov_cache_root()) / f"{name}-{model_fingerprint(src)}-ov{ov_ver}-oi{oi_ver}"
+    return (root or ov_cache_root()) / f"{name}-{model_fingerprint(src)}-{label}-ov{ov_ver}-oi{oi_ver}"
 
 
 @contextlib.contextmanager
@@ -106,19 +121,27 @@ def _quiet():
             logging.getLogger(n).setLevel(lvl)
 
 
-def ensure_ir(src: Path, root: Path | None = None, progress: Progress | None = None) -> Path:
-    """The IR folder for src: src itself if it is one, else the cached export
-    (exported now if missing)."""
+def ensure_ir(src: Path, root: Path | None = None, progress: Progress | None = None,
+              weights: str = "auto") -> Path:
+    """The IR folder for src: src itself if it is one, else the cached export at
+    `weights` (exported now if missing; "auto" = the checkpoint's own dtype)."""
     src = Path(src)
     if is_ir_folder(src):
+        if weights != "auto":
+            raise BackendError(f"{src.name} is an OpenVINO IR: its weights were fixed when it was exported "
+                               f"(--weights {weights} needs a Hugging Face model folder)")
         return src
     if not (src / "config.json").exists():
         raise BackendError(f"{src} is neither a Hugging Face model folder nor an OpenVINO IR folder")
-    target = export_dir(src, root)
+    try:
+        label = resolve_weights(src, weights)
+    except WeightsError as e:
+        raise BackendError(str(e)) from None
+    target = export_dir(src, root, label)
     if (target / IR_NAME).exists():
         return target
     report = progress or (lambda _m, _f: None)
-    report(f"exporting {src.name} to OpenVINO (once)", 0.05)
+    report(f"exporting {src.name} to OpenVINO, {label} weights (once)", 0.05)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
@@ -126,7 +149,9 @@ def ensure_ir(src: Path, root: Path | None = None, progress: Progress | None = N
 
         with _quiet() as log_text:
             try:
-                main_export(str(src), output=str(tmp), task="text-generation-with-past", stateful=True)
+                main_export(str(src), output=str(tmp), task="text-generation-with-past", stateful=True,
+                            **export_arguments(label, checkpoint_dtype(src)))
+                compress_ir(tmp, label)
             except Exception as e:
                 tail = " | ".join(log_text.getvalue().strip().splitlines()[-3:])
                 raise BackendError(f"OpenVINO export of {src.name} failed: {e}"
@@ -155,26 +180,28 @@ def check_device(core, device: str) -> str:
                        f"available: {', '.join(available) or 'none'} (or AUTO)")
 
 
-def compile_config(device: str, precision: str, cache_dir: Path) -> dict[str, str]:
-    if precision not in PRECISIONS:
-        raise BackendError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    cfg = {"CACHE_DIR": str(cache_dir)}
-    if precision != "default":
-        cfg["INFERENCE_PRECISION_HINT"] = precision
-        if precision == "f32" and device.split(".")[0] in ("CPU", "GPU"):
-            cfg["KV_CACHE_PRECISION"] = "f32"
-    return cfg
+def compile_config(device: str, precision: str, cache_dir: Path | None) -> dict[str, str]:
+    """ov_compile.compile_config, with its error as a BackendError (shown to users as is)."""
+    try:
+        return device_compile_config(device, precision, cache_dir)
+    except CompileConfigError as e:
+        raise BackendError(str(e)) from None
 
 
 class OVStream:
-    """One request's view of the model: its own InferRequest and KV state."""
+    """One request's view of the model: its own InferRequest and KV state.
 
-    def __init__(self, compiled, input_names: set[str], chunk: int) -> None:
-        self.req = compiled.create_infer_request()
+    `release(req)` is called with the InferRequest when the stream closes (the model's
+    pool of idle requests); without one the request is simply dropped."""
+
+    def __init__(self, compiled, input_names: set[str], chunk: int, req=None,
+                 release: Callable[[Any], None] | None = None) -> None:
+        self.req = req if req is not None else compiled.create_infer_request()
         self.req.reset_state()
         self.names = input_names
         self.chunk = chunk
         self.past = 0  # tokens in the KV state
+        self._release = release
 
     def _run(self, ids: np.ndarray) -> np.ndarray:
         n = ids.shape[1]  # ids: [1, n] int64
@@ -185,9 +212,11 @@ class OVStream:
             feed["position_ids"] = np.arange(self.past, self.past + n, dtype=np.int64)[None]
         if "beam_idx" in self.names:
             feed["beam_idx"] = np.zeros(1, dtype=np.int32)
+        if LOGITS_TO_KEEP in self.names:
+            feed[LOGITS_TO_KEEP] = _LAST_ONLY
         self.req.infer(feed)
         self.past += n
-        logits = self.req.get_tensor("logits").data  # [1, n, vocab]
+        logits = self.req.get_tensor("logits").data  # [1, n or 1, vocab]
         return np.array(logits[0, -1], dtype=np.float32)  # [vocab], a copy
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
@@ -203,7 +232,32 @@ class OVStream:
         return self._run(np.array([[token]], dtype=np.int64))
 
     def close(self) -> None:
-        self.req = None
+        req, self.req = self.req, None
+        if req is not None and self._release is not None:
+            self._release(req)
+
+
+_LAST_ONLY = np.ones(1, dtype=np.int64)  # logits_to_keep = [1]
+_EVERY = np.zeros(1, dtype=np.int64)  # logits_to_keep = [0]
+
+
+class AllLogitsCompiled:
+    """The compiled model as code outside this module sees it: its requests start with
+    logits_to_keep = [0] (every position, the model's unsliced behaviour), so streams that
+    feed only the original inputs (speculative verify steps, draft models) get what they did."""
+
+    def __init__(self, compiled) -> None:
+        self._compiled = compiled
+
+    def create_infer_request(self):
+        import openvino as ov
+
+        req = self._compiled.create_infer_request()
+        req.set_tensor(LOGITS_TO_KEEP, ov.Tensor(_EVERY.copy()))
+        return req
+
+    def __getattr__(self, name: str):  # inputs, outputs, output(), get_property(), ...
+        return getattr(self._compiled, name)
 
 
 class OVModel:
@@ -218,23 +272,44 @@ class OVModel:
         self.device = check_device(core, config.device)
         root = config.cache_root or ov_cache_root()
         self.cache_dir = root / "compiled"
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
         cfg = compile_config(self.device, config.precision, self.cache_dir)
-        self.model_dir = ensure_ir(Path(source), root, report)
+        self.model_dir = ensure_ir(Path(source), root, report, config.weights)
         report(f"compiling for {self.device}", 0.7)
         try:
-            self.compiled = core.compile_model(str(self.model_dir / IR_NAME), self.device, cfg)
+            # read_model maps the .bin (ENABLE_MMAP, OpenVINO's default): constants point into
+            # the file, the plugin makes the one copy it runs from.
+            model = core.read_model(str(self.model_dir / IR_NAME))
+            self.logits_to_keep = add_logits_to_keep(model)
+            compiled = core.compile_model(model, self.device, cfg)
+            del model
         except Exception as e:
             raise BackendError(f"compiling {self.model_dir.name} for {self.device} failed: {e}") from e
-        self.input_names = {n for i in self.compiled.inputs for n in i.get_names()}
+        self._compiled = compiled
+        self.compiled = AllLogitsCompiled(compiled) if self.logits_to_keep else compiled
+        self.input_names = {n for i in compiled.inputs for n in i.get_names()}
         if "input_ids" not in self.input_names or "logits" not in {
-                n for o in self.compiled.outputs for n in o.get_names()}:
+                n for o in compiled.outputs for n in o.get_names()}:
             raise BackendError(f"{self.model_dir} is not a causal-LM IR (needs input_ids -> logits)")
         self.chunk = config.prefill_chunk
+        self.pool_size = config.idle_requests
+        self._idle: list[Any] = []  # InferRequests of closed streams, reused by new ones
+        self._lock = threading.Lock()
         report("model ready", 1.0)
 
     def new_stream(self) -> OVStream:
-        return OVStream(self.compiled, self.input_names, self.chunk)
+        """A stream on an idle InferRequest when there is one (its state is reset): a fresh
+        request re-grows its buffers token by token, measured 3-5x slower at first."""
+        with self._lock:
+            req = self._idle.pop() if self._idle else None
+        return OVStream(self._compiled, self.input_names, self.chunk, req, self._give_back)
+
+    def _give_back(self, req: Any) -> None:
+        with self._lock:
+            if self._compiled is not None and len(self._idle) < self.pool_size:
+                self._idle.append(req)
 
     def close(self) -> None:
-        self.compiled = None
+        with self._lock:
+            self._idle.clear()
+            self.compiled = None
+            self._compiled = None

@@ -27,6 +27,7 @@ from typing import Any
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.backend import BACKENDS, ModelBackend, Progress, load_backend
 from engine.runtime.chat import chat_ids, prompt_ids
+from engine.models.profile import DEFAULT_CONTEXT  # when config.json names no maximum
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, finished, step
 from engine.runtime.speculative_local import MaskedOVStream, spec_step
@@ -34,7 +35,6 @@ from engine.serve.interface import Engine, EngineError, EngineInfo
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONTEXT = 4096  # when config.json names no maximum
 IDLE_WAIT_S = 0.1  # how long the idle scheduler sleeps between checks
 
 
@@ -58,7 +58,7 @@ def refuse_waiting(emit, waiting: collections.deque) -> None:
 
 
 def context_from_config(model_dir: Path) -> int:
-    """The model's trained context length from config.json (4096 if unknown)."""
+    """The model's trained context length from config.json (DEFAULT_CONTEXT if unknown)."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

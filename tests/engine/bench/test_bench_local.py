@@ -18,7 +18,8 @@ def test_local_bench_reports_consistent_figures() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     local.add_arguments(p)
-    args = p.parse_args(["--quick", "--models", "demo-draft", "--tokens", "6", "--repeats", "2"])
+    args = p.parse_args(["--quick", "--models", "demo-draft", "--tokens", "6", "--repeats", "2",
+                         "--memory-model", "random-llama-tiny"])
     before = set(Path(tempfile.gettempdir()).glob("flotilla-bench-local-*"))
     out = local.run(args, lambda _line: None)
     json.dumps(out)
@@ -33,3 +34,17 @@ def test_local_bench_reports_consistent_figures() -> None:
     assert all(r["tokens"] == 6 for r in eng["per_repeat"]) and eng["tokens"] == 6
     assert eng["decode_tok_s"] > 0 and eng["ttft_ms"] > 0
     assert set(Path(tempfile.gettempdir()).glob("flotilla-bench-local-*")) == before  # its cache is removed
+    # side by side: our engine and openvino_genai on one IR, a child process each (quick: one per engine)
+    side = out["side_by_side"]
+    assert side["model"] == "random-llama-tiny" and side["processes"] == 1 and side["tokens"] == 6
+    assert side["ir_bytes"] > 0 and side["checkpoint_bytes"] > 0
+    for name in ("ours", "genai"):
+        e = side[name]
+        assert len(e["per_process"]) == 1 and e["tokens"] == 6  # every answer has exactly the length asked
+        for key in ("peak_anon_bytes", "vm_hwm_bytes", "rss_after_load_bytes", "ttft_warm_ms", "decode_tok_s"):
+            spread = e[key]
+            assert 0 < spread["min"] <= spread["median"] <= spread["max"], (name, key, spread)
+        # the kernel's peak RSS covers the RSS seen after load; the sampled anon peak the anon after answers
+        assert e["vm_hwm_bytes"]["max"] >= e["rss_after_load_bytes"]["max"]
+        assert e["peak_anon_bytes"]["max"] >= 0.9 * e["anon_after_answers_bytes"]["max"]
+    assert set(side["ours_vs_genai"]) == {"peak_anon", "decode_tok_s", "ttft_warm"}

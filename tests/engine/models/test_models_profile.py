@@ -150,3 +150,61 @@ def test_from_dict_rejects_malformed():
     with pytest.raises(ModelError, match="version 99 is not supported"):
         ModelProfile.from_dict({"version": 99})
 
+
+
+@pytest.mark.parametrize("demo_id", ["demo", "demo-qwen3"])
+def test_param_counts_match_the_tensors(demo_id):
+    from engine.models.profile import ParamCounts
+
+    r = resolve_model(demo_id)
+    sd = _state_dict(r.path)
+    p = profile_model(r)
+
+    def counts(names):
+        out = ParamCounts()
+        for n in names:
+            out = out + ParamCounts.of_shape(tuple(sd[n].shape))
+        return out
+
+    for i, c in enumerate(p.layer_params):
+        names = [n for n in sd if n.startswith(f"model.layers.{i}.")]
+        assert c == counts(names)
+        assert c.vector == sum(sd[n].numel() for n in names if sd[n].dim() == 1)  # norms stay f32
+        assert (c.matrix + c.vector) * 4 == p.bytes_per_layer[i]  # f32 checkpoint
+    assert p.embedding_params == counts(["model.embed_tokens.weight"])
+    assert p.head_params == counts(["lm_head.weight", "model.norm.weight"])
+    assert p.layer_tail_params == counts(["model.layers.0.mlp.down_proj.weight"])
+    assert p.dtype == "f32" and p.kv_elements_per_token * 4 == p.kv_bytes_per_token
+
+
+def test_config_only_folder_counts_like_the_tensors(tmp_path):
+    """A folder with nothing but config.json profiles from the config: the same
+    parameter counts as the real tensors, bytes at the config's dtype."""
+    r = resolve_model("demo")
+    real = profile_model(r)
+    cfg = json.loads((r.path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    p = profile_model(tmp_path)
+    assert p.layer_params == real.layer_params and p.embedding_params == real.embedding_params
+    assert p.head_params == real.head_params and p.layer_tail_params == real.layer_tail_params
+    assert p.dtype == "bf16" and p.dtype_bytes == 2
+    assert p.total_bytes == real.total_bytes // 2  # the same parameters at 2 bytes
+    assert p.model_id == tmp_path.name
+
+
+def test_default_context():
+    from engine.models.profile import DEFAULT_CONTEXT, default_context
+
+    assert default_context(131072) == DEFAULT_CONTEXT == 4096
+    assert default_context(2048) == 2048 and default_context(0) == DEFAULT_CONTEXT
+
+
+def test_bf16_safetensors_dtype_label(copy_demo):
+    import torch
+    from safetensors.torch import save_file
+
+    folder = copy_demo()
+    sd = {k: v.to(torch.bfloat16) for k, v in _state_dict(folder).items()}
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    p = profile_model(resolve_model(str(folder)))
+    assert p.dtype == "bf16"  # the stored tensors win over config.json's float32

@@ -23,7 +23,8 @@ pytest.importorskip("nncf")
 
 from engine.models.demo import cache_root, ensure_demo  # noqa: E402
 from engine.pipeline.compress import compress_model, spec_for, weight_precisions  # noqa: E402
-from engine.pipeline.export import ShardRunner, _load_hf, ensure_shard  # noqa: E402
+from engine.pipeline.export import ensure_shard  # noqa: E402
+from engine.pipeline.shard_runtime import ShardRunner  # noqa: E402
 
 STEPS = 32
 PROMPT = [17, 250, 9, 1021, 44, 600, 3, 77, 1500, 12, 830, 5]
@@ -49,11 +50,10 @@ CLOSE = {"int8": {"top1": 0.85, "cosine": 0.99, "top5": 1.0},
 @pytest.fixture(scope="module")
 def demo():
     path = ensure_demo("demo")
-    model = _load_hf(path)
     blobs = cache_root() / "ov-blobs"
     shards: dict[str, list] = {}
     for precision in ("f32", "int8", "int4"):
-        infos = [ensure_shard(path, s, e, num_layers_total=8, precision=precision, hf_model=model)
+        infos = [ensure_shard(path, s, e, num_layers_total=8, precision=precision)
                  for s, e in RANGES]
         shards[precision] = [ShardRunner(i, exact=True, cache_dir=blobs) for i in infos]
     return shards

@@ -15,14 +15,13 @@ ov = pytest.importorskip("openvino")
 from engine.models.demo import cache_root, ensure_demo  # noqa: E402
 from engine.pipeline.export import (  # noqa: E402
     ShardInfo,
-    ShardRunner,
     _load_hf,
     ensure_shard,
     export_shard,
-    fused_sdpa_nodes,
     model_fingerprint,
     shard_cache_key,
 )
+from engine.pipeline.shard_runtime import ShardRunner  # noqa: E402
 
 STEPS = 32
 PROMPT = "The quick brown fox jumps over the lazy dog while the"
@@ -52,8 +51,7 @@ class Loaded:
     def runner(self, start: int, end: int, *, fuse: bool = True) -> ShardRunner:
         key = (start, end, fuse)
         if key not in self.runners:
-            info = ensure_shard(self.path, start, end, num_layers_total=self.total,
-                                fuse_beam_idx=fuse, hf_model=self.model)
+            info = ensure_shard(self.path, start, end, num_layers_total=self.total, fuse_beam_idx=fuse)
             self.runners[key] = ShardRunner(info, exact=True, cache_dir=cache_root() / "ov-blobs")
         return self.runners[key]
 
@@ -162,30 +160,36 @@ def test_masked_junk_positions_are_invisible(demo):
     assert np.abs(out["logits"] - ref_out["logits"]).max() > 1e-2
 
 
-def test_cache_key_and_manifest(demo, tmp_path):
+def test_cache_key_and_manifest(demo, tmp_path, monkeypatch):
     fp = model_fingerprint(demo.path)
     assert fp == model_fingerprint(demo.path)
     keys = {shard_cache_key(fp, 0, 4, "f32", "v1"), shard_cache_key(fp, 0, 4, "fp16", "v1"),
             shard_cache_key(fp, 4, 8, "f32", "v1"), shard_cache_key(fp, 0, 4, "f32", "v2")}
     assert len(keys) == 4
-    info = ensure_shard(demo.path, 6, 8, num_layers_total=demo.total, cache=tmp_path, hf_model=demo.model)
+    info = ensure_shard(demo.path, 6, 8, num_layers_total=demo.total, cache=tmp_path)
     assert Path(info.path).parent == tmp_path
     assert [p.name for p in tmp_path.iterdir()] == [Path(info.path).name]  # no temp leftovers
     manifest = json.loads((Path(info.path) / "shard.json").read_text())
     assert manifest["start"] == 6 and manifest["end"] == 8 and manifest["hidden_size"] == 128
-    assert manifest["inputs"] == ["hidden_states", "attention_mask", "position_ids", "beam_idx"]
+    assert manifest["inputs"] == ["hidden_states", "attention_mask", "position_ids", "logits_to_keep", "beam_idx"]
     assert manifest["outputs"] == ["logits", "next_token"]
     assert manifest["states"][:2] == ["past_key_values.6.keypresent.6.key",
                                       "past_key_values.6.valuepresent.6.value"]
     assert len(manifest["states"]) == 4
     assert ShardInfo.load(Path(info.path)) == info
-    # A second call is a cache hit (no export: a model that cannot load is fine).
-    assert ensure_shard(demo.path, 6, 8, cache=tmp_path, hf_model=object()) == info
+    # A second call is a cache hit: nothing is exported again.
+    import engine.pipeline.export as export
+
+    def no_export(*_a, **_k):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(export, "export_shard", no_export)
+    assert ensure_shard(demo.path, 6, 8, cache=tmp_path) == info
 
 
 def test_fp16_shard_runs_close(demo, tmp_path):
     info = export_shard(demo.path, 0, 2, tmp_path / "fp16", num_layers_total=demo.total,
-                        precision="fp16", hf_model=demo.model)
+                        precision="fp16")
     f32 = demo.runner(0, 2)
     assert os.path.getsize(tmp_path / "fp16" / "shard.bin") < 0.6 * os.path.getsize(f32.info.xml.with_suffix(".bin"))
     p = len(demo.prompt)
@@ -197,13 +201,51 @@ def test_fp16_shard_runs_close(demo, tmp_path):
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
 
 
+def test_last_stage_computes_only_the_logits_asked_for(demo):
+    """logits_to_keep = c: logits and next_token of the last c positions only (0: all), equal
+    to the same rows of a whole-prompt call (decode and prefill read 1 row; a
+    speculative verify reads K + 1)."""
+    p = len(demo.prompt)
+    mask, pos = np.ones((1, p), np.int64), np.arange(p)
+    whole = chain_step([demo.runner(0, 8).new_stream()], demo.prompt, mask, pos)
+    assert whole["logits"].shape[1] == p  # no count given: every position
+    for c in (1, 4, 0, p + 5):
+        stream = demo.runner(0, 8).new_stream()
+        out = stream.run({"input_ids": np.array([demo.prompt], np.int64), "attention_mask": mask,
+                          "position_ids": pos[None], "logits_to_keep": np.array([c], np.int64)})
+        rows = min(c, p) or p
+        assert out["logits"].shape == (1, rows, whole["logits"].shape[2])
+        np.testing.assert_allclose(out["logits"][0], whole["logits"][0, -rows:], atol=1e-5)
+        assert out["next_token"][0].tolist() == whole["next_token"][0, -rows:].tolist()
+
+
+def test_pieces_follow_the_byte_budget():
+    """A shard is traced in pieces of at most PIECE_BYTES (>= 1 part each, the
+    embedding and head counted like layers); int4 traces the embedding and the
+    head alone, and so does int8 (they are quantised per row by compress_rows_int8)."""
+    from engine.pipeline.export import Piece, plan_pieces
+
+    class Ckpt:  # 6 layers of 100 bytes, embedding 60, head 300 (bf16 elements)
+        shapes = {**{f"model.layers.{i}.w": (50,) for i in range(6)},
+                  "model.embed_tokens.weight": (30,), "lm_head.weight": (150,)}
+        dtypes = {n: "BF16" for n in shapes}
+
+    assert plan_pieces(Ckpt, 0, 6, 6, "fp16", budget=260) == [
+        Piece(True, 0, 2, False), Piece(False, 2, 4, False), Piece(False, 4, 6, False), Piece(False, 6, 6, True)]
+    assert plan_pieces(Ckpt, 2, 5, 6, "int8", budget=1000) == [Piece(False, 2, 5, False)]
+    assert plan_pieces(Ckpt, 4, 6, 6, "int8", budget=1000) == [Piece(False, 4, 6, False), Piece(False, 6, 6, True)]
+    assert plan_pieces(Ckpt, 0, 6, 6, "int4", budget=50) == (
+        [Piece(True, 0, 0, False)] + [Piece(False, i, i + 1, False) for i in range(6)] + [Piece(False, 6, 6, True)])
+    assert plan_pieces(Ckpt, 0, 6, 6, "f32", budget=10_000) == [Piece(True, 0, 6, True)]
+
+
 def test_bad_requests_are_rejected(demo, tmp_path):
     with pytest.raises(ValueError):
-        export_shard(demo.path, 4, 2, tmp_path, hf_model=demo.model)
+        export_shard(demo.path, 4, 2, tmp_path)
     with pytest.raises(ValueError):
-        export_shard(demo.path, 0, 4, tmp_path, num_layers_total=12, hf_model=demo.model)
+        export_shard(demo.path, 0, 4, tmp_path, num_layers_total=12)
     with pytest.raises(ValueError):
-        export_shard(demo.path, 0, 4, tmp_path, precision="f8", hf_model=demo.model)
+        export_shard(demo.path, 0, 4, tmp_path, precision="f8")
 
 
 ARCHS = {

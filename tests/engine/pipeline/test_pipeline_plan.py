@@ -35,7 +35,16 @@ from engine.pipeline.plan_validate import (
 )
 
 GB = 10**9
-BARE = PlanRequest(context_length=1, streams=1, runtime_margin_bytes=0, runtime_margin_fraction=0.0)
+
+
+def bare(**kw):
+    """A request without reserves; KV at 1 byte per element, so `kv` below is bytes too."""
+    return PlanRequest(**{"context_length": 1, "streams": 1, "kv_dtype_bytes": 1.0, "runtime_reserve_bytes": 0,
+                          "prefill_chunk": 0, "os_reserve_bytes": 0, **kw})
+
+
+BARE = bare()
+BF16 = bare(weight_precision="bf16")  # the checkpoint's own precision, never "auto"
 
 
 def model(n=8, layer=GB, emb=0, head=0, kv=0, hidden=1024, name="demo", dtype=2):
@@ -111,39 +120,53 @@ def test_gpu_preferred_when_faster_and_pin_respected():
 def infeasible_setup():
     m = model(8, emb=GB // 2, head=GB // 2, kv=100_000)
     peers = [peer("a", 4 * GB), peer("b", 4 * GB)]
-    req = PlanRequest(context_length=1000, streams=1, runtime_margin_bytes=GB // 2,
-                      runtime_margin_fraction=0.0)
-    return m, peers, req
+    return m, peers, bare(context_length=1000, runtime_reserve_bytes=GB // 2, weight_precision="bf16")
 
 
 def test_infeasible_fleet_says_needed_and_available():
     m, peers, req = infeasible_setup()
     with pytest.raises(PlanError) as e:
         auto_plan(m, peers, req)
-    assert str(e.value) == ("demo needs 10.3 GB (weights 9.0 GB + KV 0.8 GB + margin 0.5 GB); "
-                            "the fleet has 8.0 GB free: add a peer or use int4 weights")
+    assert str(e.value) == ("demo at bf16 needs 10.8 GB on 2 peers (weights 9.0 GB + KV 0.8 GB + runtime and "
+                            "OS reserves 1.0 GB); the fleet shares 8.0 GB: 2.8 GB short; it fits with int8 "
+                            "weights or another peer sharing 4.4 GB")
+    (issue,) = e.value.issues
+    assert (issue.code, issue.stage, issue.shortfall_bytes) == ("fleet_memory", None, int(2.8 * GB))
+    weights, extra = issue.hints
+    assert (weights.code, weights.weight_precision) == ("weights", "int8")
+    assert extra.code == "add_peer" and 4.3 * GB <= extra.ram_bytes <= 4.4 * GB
+    # Each hint is true: the change it names makes the plan fit.
+    assert auto_plan(m, peers, PlanRequest(**{**req.to_dict(), "weight_precision": "int8"})).fits
+    assert auto_plan(m, peers + [peer("new", extra.ram_bytes)], req).fits
+    with pytest.raises(PlanError):
+        auto_plan(m, peers + [peer("new", extra.ram_bytes - GB // 10)], req)
 
 
 def test_int4_makes_the_same_fleet_feasible():
     m, peers, req = infeasible_setup()
     plan = auto_plan(m, peers, PlanRequest(**{**req.to_dict(), "weight_precision": "int4"}))
-    assert plan.fits and covers(plan, 8)
-    assert sum(s.weight_bytes for s in plan.stages) == 9 * GB // 4  # int4 on fp16 = 1/4
+    assert plan.fits and covers(plan, 8) and plan.weight_precision == "int4"
+    # Layers: 0.5 byte per weight + an f16 scale per group of 128; embedding and head stay int8.
+    layer = GB // 2 // 2 + 2 * (GB // 2 // 128)
+    assert sum(s.weight_bytes for s in plan.stages) == 8 * layer + GB // 4 + GB // 4
 
 
 def test_single_layer_bigger_than_any_peer():
     m = model(2, layer=2 * GB)
     with pytest.raises(PlanError) as e:
-        auto_plan(m, [peer(x, 1.5 * GB) for x in "abc"], BARE)
-    assert str(e.value) == ("layer 0 of demo needs 2.0 GB (weights 2.0 GB + KV 0.0 GB + "
-                            "margin 0.0 GB) but the largest peer (c) shares 1.5 GB: "
-                            "add a peer or use int4 weights")
+        auto_plan(m, [peer(x, 1.5 * GB) for x in "abc"], bare(weight_precision="bf16"))
+    assert str(e.value) == ("layer 0 of demo needs 2.0 GB (weights 2.0 GB + KV 0.0 GB + runtime 0.0 GB + "
+                            "OS 0.0 GB) but the largest peer (c) shares 1.5 GB: 0.5 GB short; it fits with "
+                            "int8 weights or another peer sharing 4.0 GB")
+    assert e.value.issues[0].code == "layer_too_big"
 
 
 def test_per_peer_margins_can_make_a_fleet_too_fragmented():
-    req = PlanRequest(context_length=1, runtime_margin_bytes=GB // 2, runtime_margin_fraction=0.0)
-    with pytest.raises(PlanError, match="no split into contiguous layer ranges"):
-        auto_plan(model(4), [peer("a", 1.9 * GB), peer("b", 1.9 * GB), peer("c", 1.0 * GB)], req)
+    # 4 GB of layers + 3 x 0.5 GB runtime <= 6 GB shared, but each peer holds one 1 GB layer only.
+    req = bare(runtime_reserve_bytes=GB // 2, weight_precision="bf16")
+    with pytest.raises(PlanError, match="no split into contiguous layer ranges") as e:
+        auto_plan(model(4), [peer("a", 2 * GB), peer("b", 2 * GB), peer("c", 2 * GB)], req)
+    assert e.value.issues[0].code == "fragmented"
 
 
 def test_no_peers_and_no_devices():
@@ -156,10 +179,8 @@ def test_no_peers_and_no_devices():
 def test_streams_and_context_grow_kv_and_change_the_plan():
     m = model(12, kv=131072)
     peers = [peer("fast", 6 * GB, 80e9), peer("slow", 200 * GB, 40e9)]
-    small = auto_plan(m, peers, PlanRequest(context_length=1024, streams=1,
-                                            runtime_margin_bytes=0, runtime_margin_fraction=0.0))
-    big = auto_plan(m, peers, PlanRequest(context_length=4096, streams=8,
-                                          runtime_margin_bytes=0, runtime_margin_fraction=0.0))
+    small = auto_plan(m, peers, bare(context_length=1024))
+    big = auto_plan(m, peers, bare(context_length=4096, streams=8))
     kv_layer_small, kv_layer_big = 131072 * 1024, 131072 * 4096 * 8
     for plan, kvl in ((small, kv_layer_small), (big, kv_layer_big)):
         assert all(s.kv_bytes == kvl * s.num_layers for s in plan.stages)
@@ -169,10 +190,13 @@ def test_streams_and_context_grow_kv_and_change_the_plan():
     assert big.streams == 8 and big.context_length == 4096
 
 
-def test_margin_fraction_counts():
-    req = PlanRequest(context_length=1, runtime_margin_bytes=100, runtime_margin_fraction=0.1)
-    plan = auto_plan(model(2), [peer("a", 100 * GB)], req)
-    assert plan.stages[0].margin_bytes == 100 + math.ceil(0.1 * 2 * GB)
+def test_runtime_and_os_reserves_count():
+    req = bare(runtime_reserve_bytes=100, runtime_reserve_fraction=0.1, os_reserve_bytes=7)
+    st = auto_plan(model(2), [peer("a", 100 * GB)], req).stages[0]
+    assert st.runtime_reserve_bytes == 100 + math.ceil(0.1 * 2 * GB) and st.os_reserve_bytes == 7
+    assert st.total_bytes == st.weight_bytes + st.kv_bytes + st.runtime_reserve_bytes + 7
+    assert st.margin_bytes == st.runtime_reserve_bytes + 7
+    assert st.process_bytes == st.total_bytes - 7  # what the worker process itself holds
 
 
 # ---------------------------------------------------------------- links
@@ -208,7 +232,7 @@ def test_link_lookup_defaults():
 
 
 def test_throughput_formulas():
-    req = PlanRequest(context_length=1, streams=2, runtime_margin_bytes=0, runtime_margin_fraction=0.0)
+    req = bare(streams=2)
     plan = auto_plan(model(8), [peer("a", 100 * GB), peer("b", 100 * GB)], req)
     times = [s.predicted_ms_per_token for s in plan.stages]
     assert plan.cycle_ms == pytest.approx(sum(times))
@@ -230,7 +254,7 @@ FLEET = [peer("a", 100 * GB), peer("b", 100 * GB),
 
 
 def issues(stages):
-    return [(i.stage, i.code, i.message) for i in validate_plan(stages, M12, FLEET, BARE)]
+    return [(i.stage, i.code, i.message) for i in validate_plan(stages, M12, FLEET, BF16)]
 
 
 def test_valid_plan_has_no_issues():
@@ -260,8 +284,9 @@ def test_validation_messages():
     assert issues([("a", "CPU", 0, 6), ("l2", "NPU", 6, 12)]) == [
         (1, "unknown_device", "stage 1: peer laptop-2 has no device NPU (it has CPU, GPU.0)")]
     assert issues([("a", "CPU", 0, 3), ("l2", "GPU.0", 3, 12)]) == [
-        (1, "memory", "peer laptop-2 needs 9.0 GB for layers 3–12 but shares 8.0 GB "
-                      "(weights 9.0 GB + KV 0.0 GB + margin 0.0 GB)")]
+        (1, "memory", "peer laptop-2 needs 9.0 GB for layers 3–12 but shares 8.0 GB (weights 9.0 GB + "
+                      "KV 0.0 GB + runtime 0.0 GB + OS 0.0 GB): 1.0 GB short; it fits with int8 weights "
+                      "or another peer sharing 1.0 GB for layers 11–12")]
     assert issues([("a", "CPU", 0, 6, 1)])[0][1] == "malformed"
 
 
@@ -269,8 +294,12 @@ def test_evaluate_plan_rejects_structure_but_flags_memory():
     with pytest.raises(PlanError, match="stage 1 starts at layer 6 but stage 0 ends at 5") as e:
         evaluate_plan([("a", "CPU", 0, 5), ("b", "CPU", 6, 12)], M12, FLEET, BARE)
     assert e.value.issues[0].code == "gap"
-    plan = evaluate_plan([("a", "CPU", 0, 3), ("l2", "GPU.0", 3, 12)], M12, FLEET, BARE)
+    plan = evaluate_plan([("a", "CPU", 0, 3), ("l2", "GPU.0", 3, 12)], M12, FLEET, BF16)
     assert not plan.fits and [s.fits for s in plan.stages] == [True, False]
+    # "auto" evaluates the user's stages at the most precise weights at which they fit.
+    auto = evaluate_plan([("a", "CPU", 0, 3), ("l2", "GPU.0", 3, 12)], M12, FLEET, BARE)
+    assert auto.fits and auto.weight_precision == "int8"
+    assert validate_plan([("a", "CPU", 0, 3), ("l2", "GPU.0", 3, 12)], M12, FLEET, BARE) == []
 
 
 # ---------------------------------------------------------------- editing
@@ -330,22 +359,21 @@ def test_from_profile_adapter():
     prof = SimpleNamespace(model_id="tiny", architecture="LlamaForCausalLM", num_layers=4,
                            hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=100,
                            dtype_bytes=2, bytes_per_layer=(10, 10, 12, 12), embedding_bytes=5,
-                           head_bytes=6, total_bytes=55, kv_bytes_per_token=4 * 2 * 2 * 16 * 2,
-                           max_context=128, experts=None)
+                           head_bytes=6, total_bytes=55, max_context=128, experts=None)
     m = PlanModel.from_profile(prof)
     assert (m.model_id, m.num_layers, m.bytes_per_layer, m.embedding_bytes, m.head_bytes) == (
         "tiny", 4, (10, 10, 12, 12), 5, 6)
-    assert m.kv_bytes_per_token_per_layer == 2 * 2 * 16 * 2
+    assert m.kv_elements_per_token_per_layer == 2 * 2 * 16  # K and V of 2 heads x 16
+    assert (m.head_dim, m.num_heads, m.max_context, m.checkpoint_precision) == (16, 4, 128, "bf16")
     assert m.activation_bytes_per_token == 64 * 4
     assert PlanModel.from_profile(vars(prof)) == m
 
 
 def test_kv_dtype_and_precision_scale_bytes():
-    m = model(2, kv=1000)  # fp16 profile
-    req = PlanRequest(context_length=10, kv_dtype_bytes=1, weight_precision="int8",
-                      runtime_margin_bytes=0, runtime_margin_fraction=0.0)
+    m = model(2, kv=1000)  # fp16 profile: 1000 KV elements per token and layer
+    req = bare(context_length=10, kv_dtype_bytes=3, weight_precision="int8")
     plan = auto_plan(m, [peer("a", 100 * GB)], req)
-    assert plan.stages[0].kv_bytes == 2 * 500 * 10
+    assert plan.stages[0].kv_bytes == 2 * 1000 * 10 * 3
     assert plan.stages[0].weight_bytes == GB  # 2 layers * 1 GB * 1/2
 
 
@@ -399,8 +427,8 @@ fleets = st.fixed_dictionaries({
 def test_property_random_fleets(f):
     n = f["n"]
     m = model(n, layer=GB, emb=f["emb"] * GB // 2, head=f["emb"] * GB // 4, kv=f["kv"] * 50_000)
-    req = PlanRequest(context_length=2000, streams=2, runtime_margin_bytes=GB // 10,
-                      runtime_margin_fraction=0.02)
+    req = bare(context_length=2000, streams=2, runtime_reserve_bytes=GB // 10, runtime_reserve_fraction=0.02,
+               weight_precision="bf16")
     peers = []
     for i, (ram, bw, gpu) in enumerate(f["peers"]):
         devs = (DeviceProfile("CPU", "CPU", None, bw),) + (
@@ -449,7 +477,7 @@ def brute_force(m, peers, req, links, devices):
                                              st.sampled_from([0.5, 2.0, 30.0])), min_size=1, max_size=3))
 def test_property_matches_brute_force(n, spec):
     m = model(n, layer=GB, emb=GB // 2, head=GB // 3, kv=30_000)
-    req = PlanRequest(context_length=1000, runtime_margin_bytes=GB // 10, runtime_margin_fraction=0.0)
+    req = bare(context_length=1000, runtime_reserve_bytes=GB // 10, weight_precision="bf16")
     peers = [peer(f"p{i}", ram * GB // 2, bw) for i, (ram, bw, _) in enumerate(spec)]
     links = {(f"p{i}", f"p{j}"): LinkProfile(spec[i][2] + spec[j][2], 1000.0)
              for i in range(len(spec)) for j in range(len(spec)) if i < j}

@@ -37,7 +37,7 @@ STEPS = 12
 
 
 class Rig:
-    def __init__(self, shard: str):
+    def __init__(self, shard: str, cache_dir: str | None = None):
         self.ctx = zmq.Context()
         self.next = self.ctx.socket(zmq.ROUTER)  # plays the coordinator's return socket
         self.next.setsockopt(zmq.LINGER, 0)
@@ -46,7 +46,7 @@ class Rig:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine.pipeline.worker", "--shard", shard, "--bind", "tcp://127.0.0.1:*",
              "--next", self.next.getsockopt_string(zmq.LAST_ENDPOINT), "--exact", "--name", "stage 0",
-             "--parent-pid", str(os.getpid())],
+             "--parent-pid", str(os.getpid())] + (["--cache-dir", cache_dir] if cache_dir else []),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=REPO, start_new_session=True)
         self.endpoint = json.loads(self.proc.stdout.readline())["endpoint"]
         self.coord = self.dealer(b"coord-test")
@@ -99,8 +99,13 @@ def model(demo_dir):
 
 
 @pytest.fixture(scope="module")
-def rig(model):
-    r = Rig(model[2].path)
+def blobs(tmp_path_factory):
+    return tmp_path_factory.mktemp("worker-blobs")
+
+
+@pytest.fixture(scope="module")
+def rig(model, blobs):
+    r = Rig(model[2].path, str(blobs))  # the launchers always pass a blob cache folder
     yield r
     r.close()
 
@@ -156,6 +161,13 @@ def test_ping_reports_health_and_tcp_nodelay(rig):
         finally:
             s.close()
     assert checked >= 1, "found no TCP connection to the worker"
+
+
+def test_cpu_worker_compiles_from_the_ir_without_a_blob(rig, blobs):
+    # On CPU a blob only adds a second copy of the weights (engine/runtime/ov_compile.py):
+    # the worker is loaded (the rig waited for its pong) and wrote nothing to the cache.
+    rig.pong()
+    assert list(blobs.rglob("*")) == []
 
 
 def test_greedy_steps_equal_transformers_and_logits_on_request(rig, model):

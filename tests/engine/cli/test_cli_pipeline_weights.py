@@ -1,0 +1,72 @@
+"""`flotilla pipeline --weights`: every precision of the plan, the plan shown before
+anything is exported, and a plan that does not fit refused in one line."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import run_cli, snapshot
+
+CHOICES = ["auto", "f32", "bf16", "fp16", "int8", "int4"]
+
+
+@pytest.fixture()
+def isolated_cache(tmp_path: Path, demo_folder: Path) -> dict[str, str]:
+    """A cache holding only the demo model, so we can prove nothing else gets written."""
+    cache = tmp_path / "cache"
+    shutil.copytree(demo_folder, cache / demo_folder.relative_to(demo_folder.parents[1]))
+    return {"FLOTILLA_CACHE": str(cache), "HF_HOME": str(tmp_path / "hf"), "FLOTILLA_CONFIG": str(tmp_path / "cfg")}
+
+
+def test_weights_offers_every_precision_and_refuses_others():
+    from engine.pipeline.plan_weights import WEIGHT_CHOICES
+
+    assert list(WEIGHT_CHOICES) == CHOICES  # the CLI's own copy of the labels
+    helped = run_cli("pipeline", "--help")
+    assert helped.returncode == 0 and "{auto,f32,bf16,fp16,int8,int4}" in helped.stdout
+    bad = run_cli("pipeline", "--model", "demo", "--weights", "q3", "--plan-only")
+    assert bad.returncode == 2 and "invalid choice: 'q3'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("weights, shown", [
+    ("auto", "weights f32 (auto: the most precise that fits)"),  # the demo checkpoint is f32
+    ("bf16", "weights bf16,"),
+    ("int4", "weights int4,"),
+])
+def test_plan_only_prints_the_plan_at_that_precision_and_exports_nothing(weights, shown, isolated_cache):
+    cache = Path(isolated_cache["FLOTILLA_CACHE"])
+    before = snapshot(cache)
+    proc = run_cli("pipeline", "--model", "demo", "--stages", "3", "--weights", weights, "--context", "1024",
+                   "--max-streams", "2", "--plan-only", env_extra=isolated_cache)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("plan: 3 stage(s), ") and shown in lines[0], lines[0]
+    assert "context 1024 tokens x 2 stream(s)" in lines[0]
+    assert [ln.split(",")[1].strip() for ln in lines[1:]] == ["layers 0–3", "layers 3–6", "layers 6–8"]
+    assert snapshot(cache) == before, "--plan-only wrote to the cache"
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_any_export(isolated_cache):
+    cache = Path(isolated_cache["FLOTILLA_CACHE"])
+    before = snapshot(cache)
+    # 100k streams of KV fit on no PC, whatever the weights.
+    proc = run_cli("pipeline", "--model", "demo", "--max-streams", "100000", "-p", "hi",
+                   env_extra=isolated_cache)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and errors[0].startswith("flotilla: error: the plan cannot run on this PC"), errors
+    assert "even with int4 weights" in errors[0] and "stage 0:" in errors[0] and "KV" in errors[0]
+    assert snapshot(cache) == before, "a shard was exported for a plan that does not fit"
+
+
+def test_the_plan_is_shown_before_the_shards_are_made():
+    # A real launch (shards, stage processes, wiring); the chat on stdin ends at once.
+    proc = run_cli("pipeline", "--model", "demo", "--weights", "f32", timeout=300, input="/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.splitlines()
+    head = next(i for i, ln in enumerate(err) if ln.startswith("plan: 2 stage(s), weights f32"))
+    shard = next(i for i, ln in enumerate(err) if "shard 0 (layers 0–4, f32)" in ln)
+    assert head < shard, proc.stderr

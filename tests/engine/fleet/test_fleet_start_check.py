@@ -1,0 +1,46 @@
+"""The agent's start check: a worker must fit the owner's RAM cap and free RAM less
+the OS reserve with its KV and runtime reserve, not just its shard file."""
+
+from __future__ import annotations
+
+from engine.fleet.policy import MachineState, SharingPolicy, StartNeed, check_start, start_need
+from engine.pipeline.plan import RUNTIME_RESERVE_BYTES, kv_element_bytes, os_reserve
+
+GB = 10**9
+# shard.json of layers 16-32 of Llama-3.1-8B (8 KV heads x 128)
+MANIFEST = {"start": 16, "end": 32, "num_layers_total": 32, "num_kv_heads": 8, "head_dim": 128,
+            "hidden_size": 4096}
+
+
+def state(avail=12 * GB, total=16 * GB):
+    return MachineState(3600.0, True, total, avail, 5.0, 1.7e9)
+
+
+def test_start_need_counts_kv_at_the_runtime_precision():
+    small = start_need(2 * GB, MANIFEST, "CPU", False, 4096, 1)
+    assert small.weights == 2 * GB and small.runtime > RUNTIME_RESERVE_BYTES
+    per_token = 16 * 2 * 8 * 128  # K + V elements over the shard's 16 layers
+    exact = start_need(2 * GB, MANIFEST, "CPU", True, 4096, 1)
+    assert exact.kv == per_token * 4096 * kv_element_bytes("CPU", True)  # f32, grows smoothly
+    four = start_need(2 * GB, MANIFEST, "CPU", True, 4096, 4)
+    assert four.kv == 4 * exact.kv  # each stream its own KV
+    assert start_need(2 * GB, None, "CPU", False, 4096, 1) == StartNeed(2 * GB, 0, RUNTIME_RESERVE_BYTES)
+
+
+def test_refusals_carry_a_code_and_numbers():
+    policy = SharingPolicy(max_ram_gb=8)
+    need = start_need(2 * GB, MANIFEST, "CPU", True, 32768, 4)  # 17 GB of f32 KV
+    d = check_start(policy, state(), "CPU", 2 * GB, 0, need)
+    assert not d.share and d.code == "policy_cap" and d.need_bytes == need.total and d.limit_bytes == 8 * GB
+    assert "RAM limit of 8 GB" in d.reason and f"{need.total / GB:.1f} GB" in d.reason
+    # Within the cap but not within free RAM less the OS reserve.
+    roomy = SharingPolicy(max_ram_gb=64)
+    mid = StartNeed(5 * GB, GB, GB // 2)
+    d = check_start(roomy, state(avail=7 * GB), "CPU", 5 * GB, 0, mid)
+    assert not d.share and d.code == "ram" and d.limit_bytes == 7 * GB - os_reserve(16 * GB)
+    assert check_start(roomy, state(avail=9 * GB), "CPU", 5 * GB, 0, mid).share
+    # Running workers count against the cap.
+    d = check_start(policy, state(), "CPU", 5 * GB, 4 * GB, mid)
+    assert d.code == "policy_cap" and d.limit_bytes == 4 * GB
+    assert check_start(SharingPolicy(enabled=False), state(), "CPU", GB, 0).code == "not_sharing"
+    assert check_start(SharingPolicy(devices=("CPU",)), state(), "NPU", GB, 0).code == "device"

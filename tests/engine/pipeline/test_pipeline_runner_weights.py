@@ -1,0 +1,93 @@
+"""The local runner's weight precision: "auto" resolves to the most precise that fits,
+from the checkpoint's own dtype down, and the shards are exported at the plan's precision."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.pipeline import runner
+from engine.pipeline.plan import PlanError, PlanModel, precision_ladder
+
+
+@pytest.fixture(scope="module")
+def demo_model(demo_dir) -> PlanModel:
+    from engine.models import profile_model, resolve_model
+
+    demo_dir("demo")
+    return PlanModel.from_profile(profile_model(resolve_model("demo")))
+
+
+def _cfg(weights: str, budget: int) -> runner.FleetConfig:
+    return runner.FleetConfig(stages=2, weights=weights, ram_budget_bytes=budget, max_concurrent=1)
+
+
+def _least_budget(model: PlanModel, weights: str) -> int:
+    """The smallest RAM budget (to 1 MB) at which the demo's 2-stage split fits at `weights`."""
+    def fits(budget: int) -> bool:
+        try:
+            runner.plan_local(model, _cfg(weights, budget), 256)
+            return True
+        except PlanError:
+            return False
+
+    lo, hi = 0, 1 << 40
+    assert fits(hi)
+    while hi - lo > 1_000_000:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+@pytest.mark.parametrize("checkpoint, wanted", [
+    ("f32", "fp16"),  # an f32 checkpoint that does not fit at f32 halves to fp16
+    ("bf16", "int8"),  # a bf16 one goes to int8: fp16 is no smaller than bf16
+])
+def test_auto_is_the_most_precise_that_fits(demo_model, checkpoint, wanted):
+    model = dataclasses.replace(demo_model, checkpoint_precision=checkpoint)
+    ladder = precision_ladder(checkpoint)
+    above = ladder[ladder.index(wanted) - 1]
+    need, need_above = _least_budget(model, wanted), _least_budget(model, above)
+    assert need < need_above
+    plan = runner.plan_local(model, _cfg("auto", (need + need_above) // 2), 256)
+    assert plan.fits and plan.weight_precision == wanted
+    # With room for the checkpoint as it is, nothing is lost.
+    assert above == checkpoint
+    assert runner.plan_local(model, _cfg("auto", need_above), 256).weight_precision == checkpoint
+
+
+def test_auto_keeps_the_checkpoints_own_dtype_when_it_fits(demo_model):
+    for checkpoint in ("f32", "bf16", "fp16"):
+        model = dataclasses.replace(demo_model, checkpoint_precision=checkpoint)
+        plan = runner.plan_local(model, _cfg("auto", 1 << 40), 256)
+        assert plan.weight_precision == checkpoint
+
+
+def test_a_split_that_fits_nowhere_says_auto_tried_every_precision(demo_model):
+    model = dataclasses.replace(demo_model, checkpoint_precision="bf16")
+    with pytest.raises(PlanError) as e:
+        runner.plan_local(model, _cfg("auto", 1000), 256)
+    assert "even with int4 weights (auto tried bf16, int8, int4)" in str(e.value)
+    assert "stage 0:" in str(e.value) and "stage 1:" in str(e.value)
+    with pytest.raises(PlanError, match="weight precision 'q3' is not one of auto, f32") as bad:
+        runner.plan_local(demo_model, _cfg("q3", 1 << 40), 256)
+    assert [i.code for i in bad.value.issues] == ["bad_weights"]
+
+
+def test_shards_are_exported_at_the_plans_precision(monkeypatch, demo_dir):
+    import engine.pipeline.export as export
+
+    demo_dir("demo")
+    asked: list[tuple] = []
+
+    def ensure_shard(model_path, start, end, *, num_layers_total=None, precision="f32", **_kw):
+        asked.append((start, end, precision))
+        return f"shard {start}-{end}"
+
+    monkeypatch.setattr(export, "ensure_shard", ensure_shard)
+    fleet = runner.LocalFleet(runner.FleetConfig(model="demo", split=((0, 3), (3, 8)), weights="int4",
+                                                 max_concurrent=1, context_length=256))
+    assert fleet.plan.weight_precision == "int4" and fleet.checkpoint == "f32"
+    assert fleet.export() == ["shard 0-3", "shard 3-8"]
+    assert asked == [(0, 3, "int4"), (3, 8, "int4")]

@@ -1,0 +1,57 @@
+"""The per-device compile settings: no blob cache on CPU, a (weightless) one where compiling is slow.
+
+The device is faked: compile_config is a pure function of the device string,
+so GPU/NPU/AUTO choices are checked on a machine that has none of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.runtime.ov_compile import CompileConfigError, compile_config, wants_blob_cache
+
+
+@pytest.mark.parametrize("device", ["CPU", "cpu", "HETERO:CPU", "MULTI:CPU"])
+def test_cpu_compiles_from_the_ir_without_a_blob(device: str, tmp_path: Path) -> None:
+    cfg = compile_config(device, cache_dir=tmp_path / "blobs")
+    assert "CACHE_DIR" not in cfg and "CACHE_MODE" not in cfg
+    assert not (tmp_path / "blobs").exists()  # not even the folder is made
+    assert not wants_blob_cache(device)
+
+
+def test_gpu_gets_a_weightless_blob_cache(tmp_path: Path) -> None:
+    for device in ("GPU", "GPU.1"):
+        cfg = compile_config(device, cache_dir=tmp_path / "blobs")
+        assert cfg["CACHE_DIR"] == str(tmp_path / "blobs") and cfg["CACHE_MODE"] == "OPTIMIZE_SIZE"
+    assert (tmp_path / "blobs").is_dir()
+
+
+def test_npu_and_devices_that_may_land_on_a_gpu_get_a_cache(tmp_path: Path) -> None:
+    npu = compile_config("NPU", cache_dir=tmp_path)
+    assert npu["CACHE_DIR"] == str(tmp_path) and "CACHE_MODE" not in npu  # NPU: the plugin's own blob
+    for device in ("AUTO", "AUTO:GPU,CPU", "HETERO:GPU,CPU"):
+        assert compile_config(device, cache_dir=tmp_path)["CACHE_DIR"] == str(tmp_path)
+
+
+def test_no_cache_dir_means_no_cache_anywhere() -> None:
+    for device in ("CPU", "GPU", "NPU", "AUTO"):
+        assert "CACHE_DIR" not in compile_config(device)
+
+
+def test_precision_hints_and_threads() -> None:
+    assert compile_config("CPU") == {}
+    assert compile_config("CPU", "f32") == {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+    assert compile_config("GPU.0", "f32")["KV_CACHE_PRECISION"] == "f32"
+    # plugins without a KV-precision property get the math hint only
+    assert compile_config("NPU", "f32") == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert compile_config("AUTO", "f32") == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert compile_config("CPU", "bf16") == {"INFERENCE_PRECISION_HINT": "bf16"}
+    assert compile_config("CPU", threads=3) == {"INFERENCE_NUM_THREADS": 3}
+
+
+def test_unknown_precision_is_refused_with_a_code() -> None:
+    with pytest.raises(CompileConfigError) as e:
+        compile_config("CPU", "int3")
+    assert e.value.code == "unknown-precision" and "int3" in str(e.value)
