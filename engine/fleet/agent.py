@@ -292,8 +292,8 @@ class Agent:
     def _check_memory(self, msg: LoadRequest, meta: dict, shard: Path) -> None:
         """Refuse (overloaded, the code and numbers in the reason) a worker that would not fit
         the policy's RAM cap or free RAM less the OS reserve: its shard + KV for the
-        request's context x streams (LoadRequest.context_length / streams when the protocol
-        carries them, else DEFAULT_CONTEXT x 1) + the runtime reserve. Running workers count
+        request's context x streams (LoadRequest.context_length / streams; context 0 =
+        DEFAULT_CONTEXT) + the runtime reserve. Running workers count
         with what they were sized at."""
         import json
 
@@ -304,8 +304,8 @@ class Agent:
             manifest = json.loads((shard / "shard.json").read_text()) if shard.is_dir() else None
         except (OSError, ValueError):
             manifest = None
-        context = int(getattr(msg, "context_length", 0) or DEFAULT_CONTEXT)
-        streams = int(getattr(msg, "streams", 0) or 1)
+        context = msg.context_length or DEFAULT_CONTEXT
+        streams = msg.streams
         need = start_need(meta["size"], manifest, msg.device, msg.exact, context, streams)
         sized = self.__dict__.setdefault("_start_needs", {})  # sha256 -> bytes it was started with
         used = sum(sized.get(w.sha256, w.size) for w in self.supervisor.running() if w.sha256 != msg.sha256)

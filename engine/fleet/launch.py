@@ -526,7 +526,8 @@ class FleetSession:
         others = tuple(k for k in ring if k != st.peer.info.public_key)
         self._all.append(st)  # unloaded at stop, even when the load fails half-way
         reply = await self._clients[st.peer.node_id].load(
-            st.sha256, st.device, 0, exact=self.cfg.exact, ring_keys=others, timeout=self.cfg.load_timeout_s)
+            st.sha256, st.device, 0, exact=self.cfg.exact, ring_keys=others, timeout=self.cfg.load_timeout_s,
+            context_length=self.context_length or 0, streams=self.streams or 1)
         if not reply.data_port:
             raise FleetError(f"the worker on {st.peer.info.hostname} did not say which port it bound")
         st.data_port, st.pid = reply.data_port, reply.shard.pid

@@ -340,10 +340,15 @@ class LoadRequest:
     # CURVE public keys (Z85) of the other agents of the ring: they may connect to this
     # worker's data port (the previous stage sends to it). Paired controllers always may.
     ring_keys: tuple[str, ...] = ()
+    # What the plan reserved KV for, so the agent's start check sizes the worker as planned.
+    context_length: int = 0  # tokens per stream; 0 = engine.models.profile.DEFAULT_CONTEXT
+    streams: int = 1  # concurrent streams, each with its own KV
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
         require(is_sha256(self.sha256), "bad sha256")
+        require(is_int(self.context_length) and 0 <= self.context_length <= 1 << 24, "bad context_length")
+        require(is_int(self.streams) and 1 <= self.streams <= 1024, "streams must be 1..1024")
         require(isinstance(self.device, str) and re.fullmatch(r"[A-Z][A-Z0-9_.:,]{0,63}", self.device)
                 is not None, "device must look like CPU, GPU.0, NPU or AUTO")
         require(_port(self.data_port, allow_zero=True), f"data_port must be 0..{MAX_PORT}")

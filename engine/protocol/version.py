@@ -7,4 +7,4 @@ that an older peer could misread (a field added, removed, renamed or retyped, a
 rule tightened) bumps it, because decoding is strict about the field set.
 """
 
-PROTOCOL_VERSION: int = 2  # 2: SamplingParams.ignore_eos
+PROTOCOL_VERSION: int = 3  # 2: SamplingParams.ignore_eos; 3: LoadRequest context_length/streams

@@ -44,3 +44,27 @@ def test_refusals_carry_a_code_and_numbers():
     assert d.code == "policy_cap" and d.limit_bytes == 4 * GB
     assert check_start(SharingPolicy(enabled=False), state(), "CPU", GB, 0).code == "not_sharing"
     assert check_start(SharingPolicy(devices=("CPU",)), state(), "NPU", GB, 0).code == "device"
+
+
+def test_the_agent_sizes_a_load_by_the_plans_context_and_streams(tmp_path):
+    """LoadRequest carries the plan's context x streams: a worker whose KV would
+    break the owner's cap is refused before it starts, one that fits starts."""
+    import json
+    from types import SimpleNamespace
+
+    import pytest
+
+    from engine.fleet.agent import Agent
+    from engine.protocol.control import LoadRequest
+    from engine.protocol.errors import ProtocolError
+
+    (tmp_path / "shard.json").write_text(json.dumps(MANIFEST))
+    agent = SimpleNamespace(policy=SharingPolicy(max_ram_gb=8), state=state(avail=15 * GB),
+                            supervisor=SimpleNamespace(running=lambda: []))
+    meta = {"size": 4 * GB}
+    fits = LoadRequest("r1", "a" * 64, "CPU", 0, True, (), 4096, 1)
+    Agent._check_memory(agent, fits, meta, tmp_path)  # 4 GB + 0.27 GB f32 KV + reserve
+    big = LoadRequest("r2", "b" * 64, "CPU", 0, True, (), 32768, 4)  # 17 GB of f32 KV
+    with pytest.raises(ProtocolError) as e:
+        Agent._check_memory(agent, big, meta, tmp_path)
+    assert "[policy_cap]" in str(e.value) and "RAM limit of 8 GB" in str(e.value)
