@@ -279,7 +279,13 @@ class PipelineEngine(Engine):
                 raise EngineError(f"{names} did not become ready within {self.config.ready_timeout_s:.0f} s")
             for sock, _ in poller.poll(100):
                 i = self.ctl.index(sock)
-                msg, _t = self._recv(sock)
+                try:
+                    msg, _t = decode_frames(sock.recv_multipart(copy=False))
+                except ProtocolError as e:
+                    if e.code == "version":  # never going to understand each other: say so now
+                        raise EngineError(f"{self.stages[i].label} speaks another Flotilla protocol: {e}") from None
+                    log.warning("pipeline: unreadable message from a stage: %s", e)
+                    continue
                 if isinstance(msg, StagePong) and msg.configured:
                     self._on_pong(i, msg)
                     waiting.discard(i)
@@ -621,14 +627,6 @@ class PipelineEngine(Engine):
             self.ctl[i].send_multipart(encode_frames(msg, list(tensors)), zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:
             log.warning("pipeline: cannot send %s to %s: %s", msg.KIND, self.stages[i].label, e)
-
-    @staticmethod
-    def _recv(sock: zmq.Socket) -> tuple[Any, list[np.ndarray]]:
-        try:
-            return decode_frames(sock.recv_multipart(copy=False))
-        except ProtocolError as e:
-            log.warning("pipeline: unreadable message from a stage: %s", e)
-            return None, []
 
 
 def _config_vocab(model_dir: Path) -> int:

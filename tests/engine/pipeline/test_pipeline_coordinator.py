@@ -173,3 +173,43 @@ def test_a_stage_that_fails_to_load_is_named_and_nothing_is_left(demo_dir, monke
     with pytest.raises(EngineError, match=r"stage \d \(layers \d–\d, pid \d+\) exited with code 1"):
         runner.launch_pipeline(runner.FleetConfig(model="demo", stages=2, ready_timeout_s=60))
     assert len(started) == 2 and all(p.poll() is not None for p in started)
+
+
+def test_a_stage_of_another_protocol_version_fails_at_once(tmp_path):
+    """A worker from another Flotilla release is named within seconds, not after the
+    whole ready timeout (the coordinator and workers of one ring must match)."""
+    import threading
+    import time
+
+    import msgpack
+    import zmq
+
+    from engine.models.demo import ensure_demo
+    from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink
+    from engine.protocol.version import PROTOCOL_VERSION
+    from engine.serve.interface import EngineError
+
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)  # a "worker" that answers every message in a future protocol
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if fake.poll(50):
+                ident, *_ = fake.recv_multipart()
+                fake.send_multipart([ident, msgpack.packb({"v": PROTOCOL_VERSION + 1, "k": "stage_pong", "b": {}})])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineError, match="another Flotilla protocol"):
+            PipelineEngine([StageLink(0, 0, 8, f"tcp://127.0.0.1:{port}")], ensure_demo("demo"), "demo",
+                           PipelineConfig(ready_timeout_s=60))
+        assert time.monotonic() - started < 30
+    finally:
+        stop.set()
+        t.join()
+        fake.close(0)
+        ctx.term()
