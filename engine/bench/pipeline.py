@@ -175,7 +175,8 @@ def _stop_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
-    from engine.bench.shards import dense_recipe, model_summary, split_ranges
+    from engine.bench.shards import dense_recipe, model_summary
+    from engine.pipeline.runner import even_split
     from engine.models.demo import cache_root, ensure_recipe
     from engine.pipeline.export import ensure_shard
 
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     model = model_summary(path, recipe)
     layers = model["layers"]
     report(f"model: {model['params_m']} M params, {model['f32_weights_mb']} MB f32")
-    ranges = split_ranges(layers, 2)
+    ranges = list(even_split(layers, 2))
     infos = {}
     for s, e in [(0, layers), *ranges]:
         infos[(s, e)] = ensure_shard(path, s, e, num_layers_total=layers)

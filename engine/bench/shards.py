@@ -60,17 +60,6 @@ def dense_recipe(hidden: int, layers: int, inter: int | None = None, heads: int 
     )
 
 
-def split_ranges(total: int, stages: int) -> list[tuple[int, int]]:
-    """Even contiguous layer ranges, earlier stages taking the remainder."""
-    base, extra = divmod(total, stages)
-    ranges, start = [], 0
-    for i in range(stages):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
-
-
 def model_summary(path, recipe) -> dict[str, Any]:
     """Size of a built model: parameters and f32 weight bytes (from safetensors)."""
     import json
@@ -156,7 +145,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     model = model_summary(path, recipe)
     report(f"model: {model['params_m']} M params, {model['f32_weights_mb']} MB f32")
 
-    ranges = split_ranges(layers, args.stages)
+    from engine.pipeline.runner import even_split
+
+    ranges = list(even_split(layers, args.stages))
 
     def shard(start: int, end: int, fuse: bool):
         t = time.time()

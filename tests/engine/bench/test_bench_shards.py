@@ -28,11 +28,6 @@ def test_shards_scenario_is_discovered():
     assert scenarios()["shards"] is shards
 
 
-def test_split_ranges_cover_every_layer():
-    assert shards.split_ranges(8, 2) == [(0, 4), (4, 8)]
-    assert shards.split_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
-
-
 def test_shards_bench_reports_sane_figures():
     lines: list[str] = []
     out = shards.run(_args(TINY), lines.append)

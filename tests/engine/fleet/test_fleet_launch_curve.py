@@ -27,13 +27,14 @@ def _children() -> list[str]:
 @needs_two_cores
 def test_curve_overhead_figures(tmp_path):
     from engine.bench._curve import hop_cost_us, measure_curve_overhead
-    from engine.bench.shards import dense_recipe, split_ranges
+    from engine.bench.shards import dense_recipe
+    from engine.pipeline.runner import even_split
     from engine.models.demo import ensure_recipe
     from engine.pipeline.export import ensure_shard
 
     recipe = dense_recipe(64, 4, None, 4, 2)
     path = ensure_recipe(recipe)
-    ranges = split_ranges(4, 2)
+    ranges = list(even_split(4, 2))
     shards = [ensure_shard(path, s, e, num_layers_total=4).path for s, e in ranges]
     cores = sorted(os.sched_getaffinity(0))[:2]
     out = measure_curve_overhead(path, recipe.demo_id, shards, ranges, cores, streams=(1, 2), tokens=3,

@@ -24,6 +24,7 @@ from test_shard_pieces import ARCHS  # noqa: E402
 
 from engine.models.demo import ensure_demo, ensure_recipe  # noqa: E402
 from engine.pipeline.export import ensure_shard  # noqa: E402
+from engine.pipeline.runner import even_split  # noqa: E402
 from engine.pipeline.shard_runtime import ShardRunner  # noqa: E402
 
 STEPS = 64
@@ -33,16 +34,6 @@ NAMES = sorted(ARCHS) + ["demo-moe"]
 
 def model_path(name: str) -> Path:
     return ensure_demo(name) if name == "demo-moe" else ensure_recipe(ARCHS[name])
-
-
-def split(total: int, stages: int = 2) -> list[tuple[int, int]]:
-    base, extra = divmod(total, stages)
-    ranges, start = [], 0
-    for i in range(stages):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
 
 
 def prompt_ids(path: Path) -> list[int]:
@@ -106,7 +97,7 @@ def runners(path: Path, precision: str, cache: Path, *, exact: bool) -> list[tup
 
     total = AutoConfig.from_pretrained(str(path)).num_hidden_layers
     out = []
-    for s, e in split(total):
+    for s, e in even_split(total, 2):
         info = ensure_shard(path, s, e, num_layers_total=total, precision=precision, cache=cache)
         out.append(((s, e), ShardRunner(info, exact=exact)))
     return out

@@ -21,21 +21,11 @@ from engine.pipeline.export import (  # noqa: E402
     model_fingerprint,
     shard_cache_key,
 )
+from engine.pipeline.runner import even_split  # noqa: E402
 from engine.pipeline.shard_runtime import ShardRunner  # noqa: E402
 
 STEPS = 32
 PROMPT = "The quick brown fox jumps over the lazy dog while the"
-
-
-def split(total: int, stages: int) -> list[tuple[int, int]]:
-    """Even contiguous layer ranges, earlier stages taking the remainder."""
-    base, extra = divmod(total, stages)
-    ranges, start = [], 0
-    for i in range(stages):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
 
 
 class Loaded:
@@ -107,19 +97,19 @@ def chain_greedy(streams, prompt: list[int], steps: int = STEPS) -> list[int]:
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 def test_chain_matches_transformers_greedy(demo, stages):
-    ranges = split(demo.total, stages)
+    ranges = even_split(demo.total, stages)
     streams = [demo.runner(s, e).new_stream() for s, e in ranges]
     assert chain_greedy(streams, demo.prompt) == demo.hf_greedy()
 
 
 def test_moe_two_stage_chain_matches_transformers_greedy(demo_moe):
-    streams = [demo_moe.runner(s, e).new_stream() for s, e in split(demo_moe.total, 2)]
+    streams = [demo_moe.runner(s, e).new_stream() for s, e in even_split(demo_moe.total, 2)]
     assert chain_greedy(streams, demo_moe.prompt) == demo_moe.hf_greedy()
 
 
 def test_every_shard_has_fused_sdpa_with_kv_cache(demo, demo_moe):
-    shards = [(demo, r) for n in (1, 2, 3, 4) for r in split(demo.total, n)]
-    shards += [(demo_moe, r) for r in split(demo_moe.total, 2)]
+    shards = [(demo, r) for n in (1, 2, 3, 4) for r in even_split(demo.total, n)]
+    shards += [(demo_moe, r) for r in even_split(demo_moe.total, 2)]
     for loaded, (s, e) in shards:
         runner = loaded.runner(s, e)
         # One fused SDPA-with-KV-cache node per decoder layer of the shard.
@@ -134,7 +124,7 @@ def test_without_beam_idx_there_is_no_fusion(demo):
 
 def test_masked_junk_positions_are_invisible(demo):
     prompt = demo.prompt
-    stages = [demo.runner(s, e) for s, e in split(demo.total, 2)]
+    stages = [demo.runner(s, e) for s, e in even_split(demo.total, 2)]
     p = len(prompt)
 
     # Reference: prompt alone, then one continuation token.

@@ -91,3 +91,10 @@ def test_shards_are_exported_at_the_plans_precision(monkeypatch, demo_dir):
     assert fleet.plan.weight_precision == "int4" and fleet.checkpoint == "f32"
     assert fleet.export() == ["shard 0-3", "shard 3-8"]
     assert asked == [(0, 3, "int4"), (3, 8, "int4")]
+
+
+def test_even_split_covers_every_layer_once():
+    assert runner.even_split(8, 2) == ((0, 4), (4, 8))
+    assert runner.even_split(7, 3) == ((0, 3), (3, 5), (5, 7))
+    with pytest.raises(PlanError):
+        runner.even_split(3, 4)
