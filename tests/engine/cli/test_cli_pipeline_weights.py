@@ -70,3 +70,33 @@ def test_the_plan_is_shown_before_the_shards_are_made():
     head = next(i for i, ln in enumerate(err) if ln.startswith("plan: 2 stage(s), weights f32"))
     shard = next(i for i, ln in enumerate(err) if "shard 0 (layers 0–4, f32)" in ln)
     assert head < shard, proc.stderr
+
+
+def test_a_checkpoint_missing_one_safetensors_file_is_one_line(tmp_path):
+    """A sharded checkpoint whose index names a file that is not there: one clear line,
+    non-zero exit, nothing exported."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.demo import ensure_demo
+
+    model = tmp_path / "broken"
+    shutil.copytree(ensure_demo("demo"), model)
+    tensors = load_file(str(model / "model.safetensors"))
+    (model / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    parts = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for fname, chunk in parts.items():
+        save_file({n: tensors[n] for n in chunk}, str(model / fname))
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, chunk in parts.items() for n in chunk}}))
+    (model / "model-00002-of-00002.safetensors").unlink()
+    env = {"FLOTILLA_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
+           "FLOTILLA_CONFIG": str(tmp_path / "cfg")}
+    proc = run_cli("pipeline", "--model", str(model), "-p", "hi", env_extra=env)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and "model-00002-of-00002.safetensors" in errors[0], errors
+    assert not (tmp_path / "cache" / "shards").exists() or not any((tmp_path / "cache" / "shards").iterdir())

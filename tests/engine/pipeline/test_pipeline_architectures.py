@@ -121,20 +121,33 @@ def test_f32_two_stage_pipeline_gives_transformers_greedy_tokens(name, shard_cac
             assert len(runner.fused_sdpa_nodes()) == e - s, (name, s, e)
 
 
+# Compressed shards on one model of each kind (dense with llama3 rope, MoE, Gemma's
+# scaled embedding / tied head, Phi's fused projections). Teacher-forced top-1
+# agreement with the f32 reference over the 64 generated positions, measured with
+# exact f32 math (only the weights differ), on these random hidden-64 models:
+#   int8  llama3 .86  qwen3-moe .89  gemma3 1.00  phi3 .69
+#   int4  llama3 .45  qwen3-moe .30  gemma3 .98   phi3 .73
+# Floors well under those: int8 must compute the same function, int4 (data-free,
+# random weights) must still be far above chance (1/vocab).
+COMPRESSED = ("llama3", "qwen3-moe", "gemma3", "phi3")
+FLOOR = {"int8": 0.6, "int4": 0.2}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
-def test_compressed_pipelines_run_and_report_top1_agreement(name, shard_cache):
-    """int8 / int4 shards from the bf16 checkpoint run; teacher-forced top-1
-    agreement with the f32 reference over the 64 generated positions is printed."""
+@pytest.mark.parametrize("name", COMPRESSED)
+def test_compressed_pipelines_stay_close_to_the_reference(name, shard_cache):
+    """int8 / int4 shards from the bf16 checkpoint: teacher-forced top-1 agreement
+    with the f32 reference (printed; held above a floor)."""
     path = model_path(name)
     ids = prompt_ids(path)
     want = reference(path, ids)
     seq = ids + want[:-1]  # teacher forcing: position p predicts token p + 1
     for precision in ("int8", "int4"):
-        stages = runners(path, precision, shard_cache, exact=False)
+        stages = runners(path, precision, shard_cache, exact=True)
         out = chain_step([r.new_stream() for _, r in stages], seq, np.ones((1, len(seq)), np.int64),
                          np.arange(len(seq)), logits_to_keep=STEPS)
         top1 = out["logits"][0, -STEPS:].argmax(-1)
         assert top1.shape == (STEPS,)
         agree = float(np.mean(top1 == np.array(want)))
         print(f"{name} {precision}: top-1 agreement {agree:.3f} over {STEPS} positions")
+        assert agree >= FLOOR[precision], (name, precision, agree)
