@@ -1,10 +1,9 @@
 """`flotilla bench scale`'s figure tables for docs/pipeline.md (rules: engine/bench/_figures/__init__.py).
 
-Sources: docs/bench/scale/ (`flotilla bench scale --out-dir docs/bench/scale`, the 8B-shape run)
-and docs/bench/scale-quick/ (`--quick`, 1B shapes). Until those runs are committed and the markers
-`<!-- bench-report:scale-… start/end -->` are in docs/pipeline.md, TABLES stays empty (a table
-without a source fails `flotilla bench report --check`); to switch them on, set
-TABLES = READY (and, for the README's headline, add SCALE_HEADLINE to _figures/readme.py).
+Sources: docs/bench/scale-quick/ (`flotilla bench scale --quick --runs 3 --out-dir
+docs/bench/scale-quick`, 1B shapes) and, once committed, docs/bench/scale/ (the 8B-shape run:
+then TABLES = READY, and SCALE_HEADLINE into _figures/readme.py; a table without a source
+fails `flotilla bench report --check`).
 """
 
 from __future__ import annotations
@@ -30,12 +29,12 @@ def _memory_row(src: str, prec: str) -> Row:
     cells = (
         _pair(src, p + "export.stages", "shard_bytes"),
         f"{_f(src, p + 'export.cap_bytes', 'mib')} (checkpoint {_f(src, 'checkpoint.bytes', 'mib')})",
-        _pair(src, p + "export.stages", "vm_hwm_bytes") + " (anon " + _pair(src, p + "export.stages",
-                                                                            "rss_anon_peak_bytes") + ")",
+        _pair(src, p + "export.stages", "rss_anon_peak_bytes") + " (VmHWM " + _pair(src, p + "export.stages",
+                                                                                   "vm_hwm_bytes") + ")",
         _pair(src, p + "export.stages", "seconds", "f0") + " s",
         f"{_pair(src, p + 'fleet.workers', 'cap_bytes')} (model {_f(src, p + 'model_bytes', 'mib')})",
-        _pair(src, p + "fleet.workers", "peak_rss_bytes") + " (anon " + _pair(src, p + "fleet.workers",
-                                                                              "rss_anon_peak_bytes") + ")",
+        _pair(src, p + "fleet.workers", "rss_anon_peak_bytes") + " (VmHWM " + _pair(src, p + "fleet.workers",
+                                                                                   "peak_rss_bytes") + ")",
         _pair(src, p + "fleet.workers", "planned_process_bytes"),
     )
     return Row(prec, " | ".join(cells), HOW[src] + f", `precisions.{prec}`")
@@ -51,8 +50,9 @@ def _speed_row(src: str, prec: str) -> Row:
 
 def memory_table(src: str) -> Table:
     return Table(f"{src}-memory", (
-        "weights", "shard files (stage 0 / 1)", "exporter cap", "exporter peak RSS", "export time",
-        "agent+worker cap", "worker peak RSS", "planned (process)", "JSON field"),  # type: ignore[arg-type]
+        "weights", "shard files (stage 0 / 1)", "exporter cap", "exporter peak anonymous (VmHWM, with mapped "
+        "files)", "export time", "agent+worker cap", "worker peak anonymous (VmHWM)", "planned (process)",
+        "JSON field"),  # type: ignore[arg-type]
         tuple(_memory_row(src, p) for p in PRECISIONS))
 
 
@@ -95,4 +95,5 @@ READY = (checkpoint_table(FULL), memory_table(FULL), speed_table(FULL),
          checkpoint_table(QUICK), memory_table(QUICK), speed_table(QUICK))
 
 FILE = REPO_ROOT / "docs" / "pipeline.md"
-TABLES: tuple[Table, ...] = ()  # = READY once docs/bench/scale*/ and the markers exist (see above)
+# The quick (1B-shape) runs are committed; the 8B-shape run (FULL) is not yet, so its tables stay off.
+TABLES: tuple[Table, ...] = (checkpoint_table(QUICK), memory_table(QUICK), speed_table(QUICK))
