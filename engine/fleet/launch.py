@@ -313,6 +313,7 @@ class FleetSession:
         resolved = resolve_model(self.cfg.model, self.progress)
         model_path = Path(resolved.path)
         self.model_id = resolved.model_id
+        plan_weights.refuse_unsupported(model_path)  # before any plan or export
         trained = context_from_config(model_path)
         self._trained = trained
         if self.user_plan is not None:  # the plan's context and streams, as the user saw them

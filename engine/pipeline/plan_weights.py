@@ -14,6 +14,7 @@ its workers run at. This module only adds what launchers share on top:
 - request_of: the request a Plan's figures stand for, to re-check it at launch;
 - check_plan / refuse: the one-line, stage-named refusals of a plan that does
   not fit (codes from validate_plan, or the launcher's own: peer_gone, ...);
+- refuse_unsupported: an architecture the pipeline cannot shard, at plan time;
 - describe_plan: the plan as a terminal shows it before anything is exported.
 """
 
@@ -70,6 +71,17 @@ def check_plan(plan: Any, model: PlanModel, peers: Sequence[Any], request: PlanR
 def refuse(stage: int | None, code: str, message: str) -> PlanError:
     """A PlanError with one coded issue (launchers' own refusals: peer gone, not sharing...)."""
     return PlanError(message, [PlanIssue(stage, code, message)])
+
+
+def refuse_unsupported(model_path: Any) -> None:
+    """Refuse, before planning or exporting, a model the pipeline cannot shard:
+    a PlanError coded unsupported_architecture (one line: engine/pipeline/shard_arch.py)."""
+    from engine.pipeline.shard_arch import UnsupportedArchitecture, check_model_folder
+
+    try:
+        check_model_folder(model_path)
+    except UnsupportedArchitecture as e:
+        raise refuse(None, e.code, str(e)) from None
 
 
 def _size(nbytes: float) -> str:

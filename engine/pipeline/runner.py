@@ -149,6 +149,7 @@ class LocalFleet:
         self.progress = progress or (lambda _m, _f: None)
         self.resolved = resolve_model(cfg.model, progress)
         self.model_path = Path(self.resolved.path)
+        plan_weights.refuse_unsupported(self.model_path)
         self.profile = profile_model(self.resolved)
         trained = context_from_config(self.model_path)
         # None: what a chat user picks (DEFAULT_CONTEXT, at most the model's), not a 128k maximum.

@@ -76,6 +76,14 @@ def rope_types(config) -> list[str]:
     return sorted(per_layer_type) or ["default"]
 
 
+def check_model_folder(path) -> None:
+    """check_supported on a model folder's config.json, before any weight is read
+    (plan time); raises UnsupportedArchitecture, or ModelError for an unreadable config."""
+    from engine.models.checkpoint import read_config
+
+    check_supported(read_config(path))
+
+
 def check_supported(config) -> None:
     """Raise UnsupportedArchitecture unless the pipeline can shard a model of this config."""
     model_type = getattr(config, "model_type", None) or "unknown"

@@ -100,3 +100,30 @@ def test_a_checkpoint_missing_one_safetensors_file_is_one_line(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(errors) == 1 and "model-00002-of-00002.safetensors" in errors[0], errors
     assert not (tmp_path / "cache" / "shards").exists() or not any((tmp_path / "cache" / "shards").iterdir())
+
+
+def test_an_unsupported_architecture_is_refused_at_plan_time_in_one_line(tmp_path):
+    """A causal LM of a family the shards do not cover (Falcon): one line naming the
+    type and what is supported, before any weight is read."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "falcon"
+    model.mkdir()
+    save_file({"lm_head.weight": torch.zeros(100, 64)}, str(model / "model.safetensors"))
+    from engine.models.demo import ensure_demo
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_demo("demo") / name, model / name)
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "falcon", "architectures": ["FalconForCausalLM"], "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}))
+    env = {"FLOTILLA_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
+           "FLOTILLA_CONFIG": str(tmp_path / "cfg")}
+    proc = run_cli("pipeline", "--model", str(model), "--plan-only", env_extra=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1 and "'falcon' cannot be split into pipeline shards" in errors[0], errors
+    assert "llama" in errors[0]  # names what is supported
