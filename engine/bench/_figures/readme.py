@@ -49,7 +49,7 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{chaos-quick:duplicated_tokens|int} duplicated, {chaos-quick:lost_tokens|int} lost tokens; "
         "max recovery {chaos-quick:max_recovery_s|f1} s (goal {chaos-quick:recovery_goal_s|f0} s)",
         Q.format("chaos")),
-    Row("bigger than its processes: Llama-3.2-1B shapes (2.4 GB bf16 checkpoint), 2 stages at int4, "
+    Row("bigger than its processes: Llama-3.2-1B shapes (bf16 checkpoint in docs/pipeline.md), 2 stages at int4, "
         "every process in a cgroup capped below what it holds",
         "exporter peak anonymous {scale-quick:precisions.int4.export.stages.0.rss_anon_peak_bytes|mib} / "
         "{scale-quick:precisions.int4.export.stages.1.rss_anon_peak_bytes|mib} under "
