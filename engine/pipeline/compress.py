@@ -128,7 +128,9 @@ def compress_rows_int8(ov_model: Any, min_elements: int = 4096) -> Any:
                 w = block.astype(np.float32)
             lo = np.minimum(w.min(axis=1, keepdims=True), 0.0)  # [b, 1]; zero stays exact
             hi = np.maximum(w.max(axis=1, keepdims=True), 0.0)
-            s = np.maximum((hi - lo) / 255.0, np.float32(1e-8)).astype(np.float16).astype(np.float32)
+            s16 = ((hi - lo) / 255.0).astype(np.float16)  # stored in f16, as NNCF does
+            s16[s16 == 0] = 1.0  # an all-zero row (a padding embedding): q = z = 0 whatever the scale
+            s = s16.astype(np.float32)  # quantise with the scale that is stored
             z = np.clip(np.round(-lo / s), 0, 255)
             q[r0:r0 + len(w)] = np.clip(np.round(w / s) + z, 0, 255).astype(np.uint8)  # [b, H]
             zp[r0:r0 + len(w)] = z.astype(np.uint8)

@@ -120,9 +120,10 @@ def test_duplicate_request_id_is_refused(engine):
     list(engine.stream(rid, timeout=30))
 
 
-def test_compile_cache_and_ir_folder_input(engine, demo_path, flotilla_cache):
-    blobs = sorted((flotilla_cache / "ov" / "compiled").glob("*.blob"))
-    assert blobs, "the compile cache is empty"
+def test_no_blob_cache_on_cpu_and_ir_folder_input(engine, demo_path, flotilla_cache):
+    # CPU compiles straight from the mapped IR: a blob would hold the weights a second
+    # time and saves no time there (engine/runtime/ov_compile.py).
+    blobs = set((flotilla_cache / "ov").rglob("*.blob"))  # (older Flotillas left some)
     ir_dir = engine.backend.model_dir
     assert (ir_dir / "openvino_model.xml").exists() and ir_dir != demo_path
     exports = sorted(p.name for p in (flotilla_cache / "ov").iterdir())
@@ -130,7 +131,7 @@ def test_compile_cache_and_ir_folder_input(engine, demo_path, flotilla_cache):
         assert again.backend.model_dir == ir_dir
         out = collect(again.generate(req("ir", messages=chat(*CONVERSATION), max_tokens=16)))[0]
     assert sorted(p.name for p in (flotilla_cache / "ov").iterdir()) == exports  # nothing re-exported
-    assert sorted((flotilla_cache / "ov" / "compiled").glob("*.blob")) == blobs  # nor recompiled
+    assert set((flotilla_cache / "ov").rglob("*.blob")) == blobs, "a start on CPU wrote a compiled blob"
     ids = chat_ids(engine.tokenizer, chat(*CONVERSATION))
     assert out == reference_greedy(demo_path, ids, 16)
 
