@@ -177,11 +177,15 @@ def test_cache_key_and_manifest(demo, tmp_path, monkeypatch):
     assert ensure_shard(demo.path, 6, 8, cache=tmp_path) == info
 
 
-def test_fp16_shard_runs_close(demo, tmp_path):
-    info = export_shard(demo.path, 0, 2, tmp_path / "fp16", num_layers_total=demo.total,
-                        precision="fp16")
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16bit_shard_runs_close(demo, tmp_path, precision):
+    """16-bit weights (f32 activations): half the bytes, close to the f32 shard. bf16
+    caught a real bug: the converted constants share the torch tensors' memory, and a
+    piece saved after its weights were released ran NaN."""
+    info = export_shard(demo.path, 0, 2, tmp_path / precision, num_layers_total=demo.total,
+                        precision=precision)
     f32 = demo.runner(0, 2)
-    assert os.path.getsize(tmp_path / "fp16" / "shard.bin") < 0.6 * os.path.getsize(f32.info.xml.with_suffix(".bin"))
+    assert os.path.getsize(tmp_path / precision / "shard.bin") < 0.6 * os.path.getsize(f32.info.xml.with_suffix(".bin"))
     p = len(demo.prompt)
     feed = (demo.prompt, np.ones((1, p), np.int64), np.arange(p))
     runner = ShardRunner(info)
