@@ -55,9 +55,9 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{scale-quick:precisions.int4.export.stages.1.rss_anon_peak_bytes|mib} under "
         "{scale-quick:precisions.int4.export.cap_bytes|mib}; workers "
         "{scale-quick:precisions.int4.fleet.workers.0.rss_anon_peak_bytes|mib} / "
-        "{scale-quick:precisions.int4.fleet.workers.1.rss_anon_peak_bytes|mib} under "
-        "{scale-quick:precisions.int4.fleet.workers.0.cap_bytes|mib} each (whole int4 model "
-        "{scale-quick:precisions.int4.model_bytes|mib}); {scale-quick:precisions.int4.fleet.runs.1.tok_s|f1} tok/s",
+        "{scale-quick:precisions.int4.fleet.workers.1.rss_anon_peak_bytes|mib}, each capped below the whole "
+        "int4 model ({scale-quick:precisions.int4.model_bytes|mib} of shard files); "
+        "{scale-quick:precisions.int4.fleet.runs.1.tok_s|f1} tok/s",
         Q.format("scale") + " (random weights; int8 / fp16 and the agreement with transformers in "
                             "docs/pipeline.md)"),
 ))
