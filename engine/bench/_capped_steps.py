@@ -125,11 +125,11 @@ def _forward(a: argparse.Namespace) -> dict[str, Any]:
     n = x.shape[1]
     stream = runner.new_stream()
     name = "input_ids" if info.first else "hidden_states"
-    feed = {name: x, "attention_mask": np.ones((1, n), np.int64), "position_ids": np.arange(n, dtype=np.int64)[None]}
     t1 = time.monotonic()
     method = "one prefill"
     if not info.last:
-        out = stream.run(feed)
+        out = stream.run({name: x, "attention_mask": np.ones((1, n), np.int64),
+                          "position_ids": np.arange(n, dtype=np.int64)[None]})
         np.save(a.output, out["hidden_states_out"])  # [1, n, H]
     else:
         # One position at a time with the KV cache, as generation runs the head (logits_to_keep
