@@ -18,6 +18,7 @@ import asyncio
 import collections
 import hashlib
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -176,13 +177,26 @@ async def async_pair(keys: KeyPair, pair_endpoint: str, agent_key: str, name: st
 class AgentClient:
     def __init__(self, keys: KeyPair, endpoint: str, agent_key: str, *, timeout: float = 10.0,
                  ctx: zmq.asyncio.Context | None = None) -> None:
-        self._own_ctx = ctx is None
         self.ctx = ctx or zmq.asyncio.Context()
         self.chan = _Channel(self.ctx, keys, endpoint, agent_key, timeout)
+        # A client dropped without close() (an exception between connect and close) must
+        # still release its socket: a context collected with a socket open blocks in
+        # term() for ever, freezing whichever thread runs the garbage collector.
+        self._release = weakref.finalize(self, _release, self.chan.sock, self.ctx if ctx is None else None)
 
     async def async_connect(self) -> AgentClient:
         await self.chan.connect()
         return self
+
+    async def __aenter__(self) -> AgentClient:
+        try:
+            return await self.async_connect()
+        except BaseException:
+            self.close()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
     async def status(self) -> StatusReply:
         return await self.chan.request(StatusRequest(_rid()), StatusReply)
@@ -233,6 +247,10 @@ class AgentClient:
         return await self.chan.next_event(timeout)
 
     def close(self) -> None:
-        self.chan.close()
-        if self._own_ctx:
-            self.ctx.term()
+        self._release()
+
+
+def _release(sock: zmq.Socket, own_ctx: zmq.Context | None) -> None:
+    sock.close(0)
+    if own_ctx is not None:
+        own_ctx.term()

@@ -53,6 +53,17 @@ def fleet_env(config: Path) -> dict[str, str]:
     return env
 
 
+def process_gone(pid: int) -> bool:
+    """True once pid has exited (a zombie counts: its parent has not reaped it yet).
+    Race-free: the process may vanish between any two /proc reads."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def set_idle(path: Path, seconds_ago: float) -> None:
     """The user's last input was seconds_ago (0 = the user is back now)."""
     path.write_text(f"{time.time() - seconds_ago}\n")

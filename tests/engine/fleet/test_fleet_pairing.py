@@ -22,7 +22,7 @@ from engine.fleet.security import KeyPair, curve_client
 from engine.protocol.codec import decode, encode
 from engine.protocol.control import LoadRequest, StatusRequest
 from engine.protocol.messages import ErrorReply
-from tests.engine.fleet.fleet_helpers import AgentProc, free_port, pair
+from tests.engine.fleet.fleet_helpers import AgentProc, free_port, pair, process_gone
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_paired_controller_drives_agent_unpaired_refused(agent, tmp_path):
                 await client.load(sha, "NPU", 0)
             gone = await client.unload(sha)
             assert gone.shard.state == "exited"
-            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            assert process_gone(pid)
         finally:
             client.close()
 
