@@ -51,14 +51,14 @@ def _display_available(qt_args: list[str]) -> bool:
 
 
 def folders() -> tuple:
-    """(config folder, data folder): $FLOTILLA_DATA, else the data folder chosen
-    in Settings, else the platform's (platformdirs)."""
+    """(settings folder, history folder): $FLOTILLA_DATA, else the folder chosen
+    in Settings, else the platform's (engine/paths.py)."""
     from pathlib import Path
 
     from app.settings import AppSettings
     from engine import client
 
-    config = client.config_dir()
+    config = client.settings_dir()
     chosen = AppSettings.load(config).data_folder
     if chosen and not os.environ.get("FLOTILLA_DATA"):
         data = Path(chosen)

@@ -1,5 +1,5 @@
 """The app's own preferences (theme, API server, data folder): a small JSON
-file next to the fleet's config, app_settings.json in engine.client.config_dir().
+file, app_settings.json in the settings folder (engine.client.settings_dir(), engine/paths.py).
 
 Plain Python; read once at start, written on every change (atomically, so a
 crash never leaves half a file)."""

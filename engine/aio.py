@@ -11,6 +11,7 @@ processes with ``subprocess.Popen`` (engine/platform/process.py), never through 
     t = LoopThread("fleet")     # a loop in a daemon thread, for synchronous callers
     t.call(coro, timeout=5)     # run a coroutine there and wait for its result
     t.submit(coro)              # ... or get a concurrent.futures.Future
+    t.on_loop_thread()          # True on the loop's own thread (do not wait for it there)
     t.stop()
 
 Nothing else in engine/ or app/ creates an event loop (tests/engine/test_aio.py checks).
@@ -69,6 +70,11 @@ class LoopThread:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    def on_loop_thread(self) -> bool:
+        """True when called on the loop's own thread (from a coroutine or callback there),
+        where waiting for a result of the loop would deadlock."""
+        return threading.current_thread() is self._thread
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule coro on the loop; its Future resolves in the caller's thread."""

@@ -18,7 +18,7 @@ app noticing, and so one file shows the whole app <-> engine surface:
             peer_addresses, add_peer_address, remove_peer_address
   agent     AgentHandle: this PC's agent as its tray drives it (state, pairing
             requests accept/deny, revoke, pause, share now, policy)
-  settings  config_dir, data_dir, sharing_policy_path, load/save_sharing_policy
+  settings  config_dir, settings_dir, data_dir, sharing_policy_path, load/save_sharing_policy
   API       start_api_server
 
 Heavy imports (torch, OpenVINO, transformers, zmq) happen lazily inside the
@@ -54,7 +54,7 @@ __all__ = [
     "local_peers", "fleet_peers", "plan_request", "auto_plan", "balanced_plan", "evaluate_plan",
     "validate_plan", "plan_precision", "WEIGHT_CHOICES", "move_boundary", "exclude_peer", "pin_device", "this_pc", "controller_name", "pair_peer",
     "pairing_code_for", "fleet_launch_available", "peer_addresses", "add_peer_address",
-    "remove_peer_address", "config_dir", "data_dir", "sharing_policy_path", "load_sharing_policy",
+    "remove_peer_address", "config_dir", "settings_dir", "data_dir", "sharing_policy_path", "load_sharing_policy",
     "save_sharing_policy", "start_api_server",
 ]
 
@@ -619,7 +619,7 @@ def pairing_code_for(card: PeerCard) -> str:
 
 def _card(peer: Any, paired: bool | None, sharing_now: bool | None, why: str) -> PeerCard:
     i = peer.info
-    host = peer.addresses[0] if peer.addresses else ""
+    host = peer.host  # the address that answered, best first
     address = f"[{host}]:{i.control_port}" if ":" in host else f"{host}:{i.control_port}"
     if paired and sharing_now:
         sharing = "sharing now"
@@ -681,20 +681,17 @@ class FleetWatcher:
         self._keys: Any = None
 
     def events(self, stop: threading.Event):  # -> Iterator[FleetChange]
-        import asyncio
         import queue
 
+        from engine.aio import LoopThread
         from engine.fleet.discovery import Combined, ManualPeers
         from engine.fleet.mdns import MdnsDiscovery
 
         self._queue = q = queue.Queue()
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="flotilla-app-fleet", daemon=True)
-        thread.start()
-        self._loop = loop
+        self._loop = loop = LoopThread("flotilla-app-fleet")
 
         def run(coro: Any, timeout: float = 15.0) -> Any:
-            return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+            return loop.call(coro, timeout)
 
         disc = None
         try:
@@ -725,10 +722,7 @@ class FleetWatcher:
                     run(disc.async_close(), 10)
             except Exception:
                 pass
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(5)
-            if not loop.is_running():
-                loop.close()
+            loop.stop()
             self._loop = None
 
     # -- on the loop thread ------------------------------------------------------
@@ -752,15 +746,14 @@ class FleetWatcher:
 
     # -- from any thread ----------------------------------------------------------
     def _call(self, fn: Callable[[], Any]) -> Any:
-        import asyncio
-
-        if self._loop is None:
+        loop = self._loop
+        if loop is None:
             return fn()
 
         async def on_loop() -> Any:
             return fn()
 
-        return asyncio.run_coroutine_threadsafe(on_loop(), self._loop).result(10)
+        return loop.call(on_loop(), 10)
 
     def add_address(self, text: str) -> str:
         """Validate and remember host[:port] (persisted); polled at once. ValueError if malformed."""
@@ -776,10 +769,9 @@ class FleetWatcher:
 
     def refresh(self, card: PeerCard) -> None:
         """Probe a peer again now (after pairing); an "updated" change follows."""
-        import asyncio
-
-        if self._loop is not None and card.handle is not None:
-            asyncio.run_coroutine_threadsafe(self._report("updated", card.handle, force=True), self._loop)
+        loop = self._loop
+        if loop is not None and card.handle is not None:
+            loop.submit(self._report("updated", card.handle, force=True))
 
 
 def _own_node_id() -> str | None:
@@ -803,6 +795,7 @@ def pair_peer(card: PeerCard, progress: Progress | None = None, cancel: threadin
     when the codes differ (someone in the middle)."""
     import asyncio
 
+    from engine import aio
     from engine.fleet.client import FleetError, async_pair
     from engine.fleet.security import KNOWN_AGENTS_FILE, KeyBook, pairing_code
 
@@ -831,7 +824,7 @@ def pair_peer(card: PeerCard, progress: Progress | None = None, cancel: threadin
             report(code, min(0.99, 1.0 - (end - loop.time()) / wait_s))
 
     try:
-        state = asyncio.run(ask())
+        state = aio.run(ask())
     except FleetError as e:
         raise EngineError(str(e)) from None
     if state == "cancelled":
@@ -1016,12 +1009,16 @@ class AgentHandle:
         import subprocess
         import sys
 
-        args = [a for a in argv if a not in ("--headless", "-v", "--verbose")]
+        args = [a for a in argv if a not in ("--headless", "-v", "--verbose", "--stdin-lifeline")]
         env = dict(os.environ)
         if config is not None:  # another agent's config dir (demos, screenshots)
             env["FLOTILLA_CONFIG"] = str(config)
-        proc = subprocess.Popen([sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v", *args],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # stdin is the agent's lifeline: stop() closes it and the agent stops cleanly (the same on
+        # every OS: on Windows terminate() is TerminateProcess, which runs no cleanup); it also
+        # ends when this process dies, so the agent never outlives its tray.
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v",
+                                 "--stdin-lifeline", *args],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, env=env)
         lines: collections.deque[str] = collections.deque(maxlen=200)
         up = threading.Event()
@@ -1040,7 +1037,9 @@ class AgentHandle:
 
         threading.Thread(target=pump, name="flotilla-agent-log", daemon=True).start()
         if not up.wait(timeout) or not ports:
-            proc.kill()
+            from engine.platform.process import kill_tree
+
+            kill_tree(proc)  # and whatever it started
             proc.wait(5)
             raise EngineError("the agent did not start: " + (" | ".join(list(lines)[-5:]) or "no output"))
         handle = cls(config, info_port=ports[2], pid=proc.pid)
@@ -1089,10 +1088,9 @@ class AgentHandle:
         return AgentState(state, summary, running, workers, share_now, paused, pending, paired)
 
     def _info(self, timeout: float) -> Any:
-        import asyncio
-
         import zmq.asyncio
 
+        from engine import aio
         from engine.fleet.discovery import async_query_info
 
         async def ask() -> Any:
@@ -1103,7 +1101,7 @@ class AgentHandle:
                 ctx.term()
 
         try:
-            return asyncio.run(ask())
+            return aio.run(ask())
         except Exception:
             return None
 
@@ -1190,19 +1188,32 @@ class AgentHandle:
 
     # -- the process ----------------------------------------------------------------
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the agent this handle started (SIGTERM: it stops its workers first)."""
+        """Stop the agent this handle started and wait for it: it is asked first -- its stdin
+        closes, and the agent stops its shard workers, says goodbye on mDNS and exits -- and
+        only killed, with its workers, when it is still running `timeout` s later."""
+        from engine.platform.process import stop as stop_process
+
         proc = self.proc
         if proc is None or proc.poll() is not None:
             return
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except Exception:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc, timeout, ask=lambda: _close_lifeline(proc))
 
     def wait(self) -> int:
         return int(self.proc.wait()) if self.proc is not None else 0
+
+
+def _close_lifeline(proc: Any) -> None:
+    """Close the agent's stdin (AgentHandle.spawn gave it --stdin-lifeline): its request to stop.
+    An agent started otherwise (no pipe) gets the OS's graceful stop instead."""
+    if proc.stdin is None:
+        from engine.platform.process import interrupt
+
+        interrupt(proc)
+        return
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
 
 
 # ----------------------------------------------------------------------- settings
@@ -1213,26 +1224,27 @@ def config_dir() -> Path:
     return cfg()
 
 
-def data_dir() -> Path:
-    """Where the app keeps conversations: $FLOTILLA_DATA, else the platform's
-    per-user data folder (platformdirs), created if missing."""
-    env = os.environ.get("FLOTILLA_DATA")
-    if env:
-        path = Path(env).expanduser()
-    else:
-        import platformdirs
+def settings_dir() -> Path:
+    """The app's preferences folder (app_settings.json): engine.paths.settings_dir()."""
+    from engine.paths import settings_dir as settings
 
-        path = Path(platformdirs.user_data_dir("flotilla", appauthor=False))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return settings()
+
+
+def data_dir() -> Path:
+    """Where the app keeps conversations: engine.paths.history_dir() ($FLOTILLA_DATA, else
+    the platform's per-user history folder), created if missing."""
+    from engine.paths import history_dir
+
+    return history_dir()
 
 
 def sharing_policy_path() -> Path:
-    """THE sharing-policy file: <config_dir>/sharing_policy.json, i.e.
+    """THE sharing-policy file: <keys folder>/sharing_policy.json (engine/paths.py), i.e.
     $FLOTILLA_CONFIG/sharing_policy.json or, by default,
-    ~/.config/flotilla/sharing_policy.json (Linux),
-    %LOCALAPPDATA%\\flotilla\\sharing_policy.json (Windows),
-    ~/Library/Application Support/flotilla/sharing_policy.json (macOS).
+    ~/.config/flotilla/keys/sharing_policy.json (Linux),
+    %LOCALAPPDATA%\\flotilla\\keys\\sharing_policy.json (Windows),
+    ~/Library/Application Support/flotilla/keys/sharing_policy.json (macOS).
     The app's Settings view writes it; the fleet agent (engine.fleet.policy.
     SharingPolicy.load) reads it and reloads it when it changes. Fields:
     enabled, idle_minutes, require_ac, max_ram_gb, devices, yield_on_return,

@@ -15,15 +15,18 @@ Per OS (all per user, no admin rights needed, removed by disable()):
            makes a stale entry harmless once the package is removed.
   macOS    ~/Library/LaunchAgents/org.flotilla.agent.plist (a LaunchAgent),
            from installers/macos/org.flotilla.agent.plist; start_now loads it
-           with launchctl.
+           with launchctl. It starts the agent of the helper bundle inside the
+           app (Flotilla.app/Contents/Helpers/Flotilla Agent.app: its own bundle
+           id and no Dock icon, installers/macapp.py), at full speed
+           (ProcessType Interactive, not Background).
   Windows  HKCU\\Software\\Microsoft\\Windows\\CurrentVersion\\Run, value
            "FlotillaAgent" (Setup.exe's "start the agent at every login" task
            writes the same value under HKLM, for all users; is_enabled() sees
            both, disable() removes the per-user one; the uninstaller both).
 
-The agent command is the bundle's `flotilla-agent` next to the running
-executable when frozen, else `python -m engine.cli.agent_cmd` of this
-interpreter. Standard library only. From a shell:
+The agent command is the bundle's `flotilla-agent` when frozen (next to the
+running executable; on macOS the helper bundle's), else `python -m
+engine.cli.agent_cmd` of this interpreter. Standard library only. From a shell:
     flotilla -m installers.autostart enable|disable|status   (installed bundle)
     python -m installers.autostart enable|disable|status     (checkout)
 """
@@ -44,15 +47,28 @@ MAC_LABEL = "org.flotilla.agent"  # = installers.project.AGENT_ID
 WIN_RUN_KEY = r"Software\Microsoft\Windows\CurrentVersion\Run"
 WIN_RUN_VALUE = "FlotillaAgent"  # = installers/windows/flotilla.iss [Registry]
 AGENT_EXE = "flotilla-agent"  # = installers.project.AGENT_EXE
+MAC_AGENT_APP = "Flotilla Agent.app"  # = installers.macapp.AGENT_APP (Contents/Helpers of Flotilla.app)
 
 
 def agent_command(platform: str | None = None) -> list[str]:
     """argv that starts the tray agent from this install."""
     platform = platform or sys.platform
     if getattr(sys, "frozen", False):
+        exe = Path(sys.executable).resolve()
+        if platform == "darwin":
+            return [str(mac_agent_executable(exe))]
         name = AGENT_EXE + (".exe" if platform == "win32" else "")
-        return [str(Path(sys.executable).resolve().parent / name)]
+        return [str(exe.parent / name)]
     return [sys.executable, "-m", "engine.cli.agent_cmd"]
+
+
+def mac_agent_executable(exe: Path) -> Path:
+    """The helper bundle's agent, from any executable of Flotilla.app: one in
+    Flotilla.app/Contents/MacOS, or the agent itself."""
+    if exe.name == AGENT_EXE:
+        return exe
+    contents = exe.parent.parent  # Flotilla.app/Contents
+    return contents / "Helpers" / MAC_AGENT_APP / "Contents" / "MacOS" / AGENT_EXE
 
 
 def _linux_path() -> Path:
@@ -161,8 +177,9 @@ def _start(command: list[str], platform: str, where: str) -> None:
 
 
 def _launchctl(verb: str, plist: str) -> None:
+    uid = os.getuid() if hasattr(os, "getuid") else 0  # no getuid on Windows (a test of the macOS files there)
     try:
-        subprocess.run(["launchctl", verb, f"gui/{os.getuid()}", plist], capture_output=True, check=False)
+        subprocess.run(["launchctl", verb, f"gui/{uid}", plist], capture_output=True, check=False)
     except OSError:  # not macOS (tests), or no launchctl: the file alone takes effect at next login
         pass
 

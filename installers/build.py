@@ -15,7 +15,8 @@ Steps:
     CI jobs of one run, build once); --rebuild ignores it.
  3. PyInstaller with installers/flotilla.spec (one folder), then a check that
     the files the app needs at run time are there (bundle_rules.REQUIRED_FILES_LINUX).
- 4. Linux: the .deb (installers/linux/deb.py).
+ 4. Linux: the .deb (installers/linux/deb.py). macOS: the agent moved into its
+    own helper bundle inside Flotilla.app (installers/macapp.py).
 
 Cache: $FLOTILLA_DIST_CACHE, else build/dist-cache in the checkout; the two
 newest builds are kept. Prints a JSON summary (paths, sizes, seconds).
@@ -56,8 +57,8 @@ def source_files(repo: Path = P.REPO) -> list[str]:
     except (OSError, subprocess.CalledProcessError):
         for top in SOURCES:
             base = repo / top
-            files += [str(p.relative_to(repo)) for p in ([base] if base.is_file() else base.rglob("*"))
-                      if p.is_file()]
+            files += [p.relative_to(repo).as_posix() for p in ([base] if base.is_file() else base.rglob("*"))
+                      if p.is_file()]  # as_posix: the same list on Windows as git gives
     files = [f for f in files if (repo / f).is_file() and not any(fnmatch.fnmatch(f, s) for s in SKIP)]
     return sorted(set(files))
 
@@ -192,7 +193,14 @@ def build(repo: Path = P.REPO, cache_root: Path | None = None, package: bool = T
                        "bundle": str(bundle), "icons": str(entry / "icons"),
                        "pyinstaller_s": round(time.monotonic() - t1, 1)}
             if sys.platform == "darwin":
-                summary["app"] = str(bundle.parent / f"{P.APP_NAME}.app")
+                from installers import macapp
+
+                app = bundle.parent / f"{P.APP_NAME}.app"
+                summary["app"] = str(app)
+                summary["agent_app"] = str(macapp.make_helper(app, P.load(src / "pyproject.toml")))
+                problems = macapp.check_layout(app)
+                if problems:
+                    raise RuntimeError(f"{app}: {problems}")
             if sys.platform.startswith("linux"):
                 if shutil.which("strip"):
                     summary["stripped_bytes"] = strip_bundle(bundle)

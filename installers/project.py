@@ -26,6 +26,8 @@ ICONS = REPO / "assets" / "icons"
 APP_NAME = "Flotilla"  # what users see: menus, window titles, the .app
 BUNDLE_ID = "org.flotilla.Flotilla"  # macOS bundle id; reverse-DNS base of the agent's LaunchAgent
 AGENT_ID = "org.flotilla.agent"  # macOS LaunchAgent label, Windows Run value base
+AGENT_BUNDLE_ID = "org.flotilla.Flotilla.Agent"  # macOS: the agent's own helper bundle (installers/macapp.py)
+AGENT_APP_NAME = "Flotilla Agent"  # macOS: that helper's name (Flotilla.app/Contents/Helpers/Flotilla Agent.app)
 APP_ICON = "flotilla.svg"  # in assets/icons
 TRAY_ICON_PREFIX = "tray-"  # tray state icons: assets/icons/tray-*.svg
 AGENT_EXE = "flotilla-agent"  # the agent's executable = the CLI entry point + AGENT_ARGV

@@ -25,7 +25,7 @@ Everything started is stopped and every file written (bundles, agents' shards) r
 
 from __future__ import annotations
 
-import asyncio
+from engine import aio
 import os
 import shutil
 import signal
@@ -210,10 +210,10 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
         agents.start()
         samplers = [PeakSampler(g, interval=0.1).start() for g in groups]
         agent_keys = agents.public_keys()
-        peers = asyncio.run(async_discover(["127.0.0.1"], keys=set(agent_keys), timeout=30.0))
+        peers = aio.run(async_discover(["127.0.0.1"], keys=set(agent_keys), timeout=30.0))
         if len(peers) < 2:
             raise RuntimeError(f"found {len(peers)} of 2 agents over mDNS on 127.0.0.1 (logs in {root})")
-        states = asyncio.run(async_pair_all(keys, peers, "flotilla-bench-scale", wait=10.0))
+        states = aio.run(async_pair_all(keys, peers, "flotilla-bench-scale", wait=10.0))
         if any(s != "accepted" for s in states.values()):
             raise RuntimeError(f"pairing did not complete: {states}")
         group_of.update({p.node_id: groups[agent_keys.index(p.info.public_key)] for p in peers})

@@ -213,13 +213,10 @@ async def _relay(listen_host: str, listen_port: int, to_host: str, to_port: int,
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         await asyncio.gather(_pump(reader, up_writer, delay_s), _pump(up_reader, writer, delay_s))
 
-    async def watch_parent() -> None:  # no orphans: exit when the process that started us is gone
-        parent = os.getppid()
-        while os.getppid() == parent:
-            await asyncio.sleep(0.5)
-        os._exit(3)
+    from engine.platform.process import parent_ref, watch
 
-    watcher = asyncio.create_task(watch_parent())  # noqa: F841  (kept alive by the loop)
+    # No orphans: exit when the process that started us is gone (pid + creation time).
+    watch(parent_ref(os.getppid()), lambda: os._exit(3), name="relay-parent-watch")
     server = await asyncio.start_server(handle, listen_host, listen_port)
     port = server.sockets[0].getsockname()[1]
     print(json.dumps({"event": "bound", "endpoint": f"tcp://{listen_host}:{port}", "pid": os.getpid()}), flush=True)
@@ -231,7 +228,8 @@ async def _relay(listen_host: str, listen_port: int, to_host: str, to_port: int,
 def relay_main(argv: list[str] | None = None) -> int:
     """python -m engine.bench._netns relay --listen HOST:PORT --to HOST:PORT --delay-ms D"""
     import argparse
-    import asyncio
+
+    from engine import aio
 
     p = argparse.ArgumentParser(prog="python -m engine.bench._netns relay")
     p.add_argument("--listen", required=True, help="HOST:PORT to listen on (PORT 0 = a free one)")
@@ -241,7 +239,7 @@ def relay_main(argv: list[str] | None = None) -> int:
     lh, lp = a.listen.rsplit(":", 1)
     th, tp = a.to.rsplit(":", 1)
     try:
-        asyncio.run(_relay(lh, int(lp), th, int(tp), a.delay_ms / 1000.0))
+        aio.run(_relay(lh, int(lp), th, int(tp), a.delay_ms / 1000.0))
     except KeyboardInterrupt:
         pass
     return 0

@@ -19,8 +19,8 @@ bound: what any scheduler that overlaps perfectly could gain over it here).
 (on_demand computing each expert as soon as it lands).
 
 `io` records what the reads went through: {"requested", "effective",
-"fallback_reason"} ("o_direct" or "buffered"), over the disk probe's store and
-every measured engine's. When O_DIRECT was requested but is not in effect
+"fallback_reason"} (this OS's unbuffered mode -- "o_direct" on Linux -- or "buffered"),
+over the disk probe's store and every measured engine's. When O_DIRECT was requested but is not in effect
 (a file system refusing it, or a store on tmpfs), the figures include the page
 cache: every speedup field is null and `speedup_refused` says why.
 """
@@ -57,19 +57,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def io_figures(requested_direct: bool, infos: list[dict[str, Any]]) -> dict[str, Any]:
     """The "io" record of a benchmark from the `io_info()` of every store it read through:
-    effective "o_direct" only if every one of them really read with O_DIRECT."""
+    requested = this OS's unbuffered mode ("o_direct" on Linux, "no_buffering" on Windows,
+    "f_nocache" on macOS) or "buffered"; effective = that mode only if every store really
+    read unbuffered, else "buffered"."""
+    from engine.platform.pread import unbuffered_mode
+
     reasons = [i["fallback_reason"] for i in infos if i.get("fallback_reason")]
-    direct = requested_direct and bool(infos) and all(i["effective"] == "o_direct" for i in infos)
-    return {"requested": "o_direct" if requested_direct else "buffered",
-            "effective": "o_direct" if direct else "buffered",
+    modes = {i["effective"] for i in infos}
+    direct = requested_direct and bool(infos) and "buffered" not in modes and len(modes) == 1
+    return {"requested": unbuffered_mode() if requested_direct else "buffered",
+            "effective": modes.pop() if direct else "buffered",
             "fallback_reason": reasons[0] if reasons else None}
 
 
 def speedup_refusal(io: dict[str, Any]) -> str | None:
-    """Why no speedup may be reported (O_DIRECT requested, not in effect), or None."""
-    if io["requested"] == "o_direct" and io["effective"] != "o_direct":
-        return (f"O_DIRECT was requested but reads were buffered ({io['fallback_reason'] or 'unknown reason'}): "
-                "the figures include the page cache, so no speedup is reported")
+    """Why no speedup may be reported (unbuffered reads requested, not in effect), or None."""
+    from engine.platform.pread import LABELS
+
+    if io["requested"] != "buffered" and io["effective"] == "buffered":
+        return (f"{LABELS.get(io['requested'], io['requested'])} was requested but reads were buffered "
+                f"({io['fallback_reason'] or 'unknown reason'}): the figures include the page cache, "
+                "so no speedup is reported")
     return None
 
 
@@ -116,7 +124,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     disks = [_disk_bandwidth(store)]  # measured again before every repeat (the disk is shared too)
     report(f"{len(index.blobs)} experts x {index.blob_bytes / 1e6:.2f} MB = {index.total_expert_bytes / 1e9:.2f} GB; "
            f"cache {budget / 1e6:.0f} MB ({args.cache_fraction:.0%}); disk {disks[0] / 1e6:.0f} MB/s "
-           f"({'O_DIRECT' if store.io_mode == 'o_direct' else 'buffered'})")
+           f"({store.io_mode})")
     if store.io_fallback_reason:
         report(f"WARNING: O_DIRECT requested but not in effect ({store.io_fallback_reason}); "
                "no speedup will be reported")
@@ -146,8 +154,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                   "top_k": index.top_k, "expert_mb": round(index.blob_bytes / 1e6, 3),
                   "all_experts_mb": round(index.total_expert_bytes / 1e6, 1)},
         "cache_budget_mb": round(budget / 1e6, 1), "cache_fraction": args.cache_fraction,
-        # o_direct: whether O_DIRECT was in effect (io.effective), not whether it was asked for
-        "io": io_rec, "o_direct": io_rec["effective"] == "o_direct", "disk_mb_s": round(disk / 1e6, 1),
+        # o_direct: whether unbuffered reads (O_DIRECT on Linux) were in effect, not whether asked for
+        "io": io_rec, "o_direct": io_rec["effective"] != "buffered", "disk_mb_s": round(disk / 1e6, 1),
         "disk_mb_s_per_repeat": [round(d / 1e6, 1) for d in disks],
         "tokens_per_request": tokens, "repeats": repeats, "results": table,
     }

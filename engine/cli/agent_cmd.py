@@ -44,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # `flotilla demo` only: pair the demo's own controller without a code. Refused unless the
     # config dir is one `flotilla demo` made (engine/fleet/demo_mode.py says why that is safe).
     p.add_argument("--demo-auto-pair", action="store_true", help=argparse.SUPPRESS)
+    # Started by the tray or `flotilla demo` with stdin a pipe: stop cleanly when it ends (they close
+    # it to stop us, and it also ends when they die). The same on every OS (engine/fleet/agent.py).
+    p.add_argument("--stdin-lifeline", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_agent)
     asub = p.add_subparsers(dest="agent_command", metavar="SUBCOMMAND")
 
@@ -90,7 +93,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UserError(str(e)) from None
     cfg = AgentConfig(bind=args.bind, port=port, mdns=not args.no_mdns,
                       interfaces=args.interface or None, idle=idle,
-                      mdns_ttl=args.mdns_ttl or DEFAULT_TTL_S, demo_auto_pair=args.demo_auto_pair)
+                      mdns_ttl=args.mdns_ttl or DEFAULT_TTL_S, demo_auto_pair=args.demo_auto_pair,
+                      stdin_lifeline=args.stdin_lifeline)
     if args.demo_auto_pair:
         from engine.fleet.demo_mode import check_demo_dir
 
@@ -203,6 +207,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 def cmd_peers(args: argparse.Namespace) -> int:
     import asyncio
 
+    from engine import aio
     from engine.fleet.discovery import Combined, ManualPeers
     from engine.fleet.mdns import MdnsDiscovery, peer_json
     from engine.fleet.paths import config_dir
@@ -226,7 +231,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
         for peer in disc.peers().values():
             print(peer_json("peer", peer))
 
-    asyncio.run(watch())
+    aio.run(watch())
     return 0
 
 

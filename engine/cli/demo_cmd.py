@@ -30,8 +30,10 @@ import time
 from pathlib import Path
 
 from engine.cli.errors import UserError
+from engine.platform import process
 
 AGENTS = 2
+STOP_GRACE_S = 8.0  # an agent asked to stop -> killed
 DEFAULT_PROMPT = "Write a poem about the wind."  # the random-weight demo model answers it at length
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,11 +80,12 @@ class _Agents:
             env_i.pop("FLOTILLA_DATA", None)  # data (shards, logs) inside the demo folder too
             argv = [sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "--bind", "127.0.0.1",
                     "--port", "0", "--interface", "127.0.0.1", "--idle-source", "none", "--mdns-ttl", "10",
-                    "--demo-auto-pair"]
+                    "--demo-auto-pair", "--stdin-lifeline"]
             with open(self.root / f"agent-{i}.out", "ab") as out:
-                # Own session: a Ctrl-C in the terminal reaches only us; we stop them in order.
-                self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                                   env=env_i, cwd=str(REPO_ROOT), start_new_session=True))
+                # Own process group: a Ctrl-C in the terminal reaches only us; we stop them in order.
+                # stdin is their lifeline: stop() closes it (and so does our death).
+                self.procs.append(process.spawn(argv, stdin=subprocess.PIPE, stdout=out, stderr=out,
+                                                env=env_i, cwd=str(REPO_ROOT)))
 
     def public_keys(self, timeout: float = 30.0) -> list[str]:
         """Each agent's public key, once it has made its identity."""
@@ -100,26 +103,17 @@ class _Agents:
         return keys
 
     def stop(self) -> None:
-        alive = [p for p in self.procs if p.poll() is None]
-        for p in alive:  # SIGTERM: each agent stops its workers, says goodbye on mDNS, exits
-            _signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + 8.0
-        for p in alive:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
-                p.wait()
+        """Ask every agent to stop (close its stdin: it stops its workers, says goodbye on
+        mDNS, exits); kill what is still running after STOP_GRACE_S, workers included."""
+        process.stop_all(self.procs, STOP_GRACE_S, ask={p: (lambda p=p: _close(p.stdin)) for p in self.procs})
         self.procs = []
 
 
-def _signal(proc: subprocess.Popen, sig: int) -> None:
+def _close(pipe) -> None:
     try:
-        if os.name == "posix":
-            os.killpg(proc.pid, sig)  # the agent and, should any remain, its workers
-        else:
-            proc.send_signal(sig)
-    except (ProcessLookupError, PermissionError, OSError):
+        if pipe is not None:
+            pipe.close()
+    except OSError:
         pass
 
 
@@ -181,15 +175,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, keys, agents: _Agents, t0: float) -> dict:
-    import asyncio
-
+    from engine import aio
     from engine.cli.progress import TerminalProgress
     from engine.fleet.launch import LaunchConfig, async_discover, async_pair_all, launch_fleet
     from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 
     agent_keys = agents.public_keys()
     _say("looking for them over mDNS on 127.0.0.1 ...")
-    peers = asyncio.run(async_discover(["127.0.0.1"], keys=set(agent_keys), timeout=30.0))
+    peers = aio.run(async_discover(["127.0.0.1"], keys=set(agent_keys), timeout=30.0))
     t_found = time.monotonic() - t0
     if len(peers) < AGENTS:
         raise UserError(f"found {len(peers)} of {AGENTS} demo agents over mDNS on 127.0.0.1 within 30 s "
@@ -201,7 +194,7 @@ def _run(args: argparse.Namespace, keys, agents: _Agents, t0: float) -> dict:
         _say(f"pairing with node {peer.node_id[:8]}: code {c} (a real agent's owner types it; "
              "demo agents accept this demo's key by themselves)")
 
-    states = asyncio.run(async_pair_all(keys, peers, "flotilla-demo", wait=10.0, on_code=code))
+    states = aio.run(async_pair_all(keys, peers, "flotilla-demo", wait=10.0, on_code=code))
     if any(s != "accepted" for s in states.values()):
         raise UserError(f"pairing did not complete: {states}")
     _say("paired with both agents")

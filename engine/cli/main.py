@@ -2,6 +2,11 @@
 
 Every user-facing failure is one line on stderr and a non-zero exit code; a
 traceback means a bug in Flotilla, never a user mistake.
+
+Output is UTF-8 on every OS (utf8_stdio): a pipe on Windows would otherwise be the
+ANSI code page (cp1252), which cannot encode most of what a model says, nor the
+U+FFFD that a byte-level tokenizer's partial character decodes to, and the first such
+token would end the command with a UnicodeEncodeError.
 """
 
 from __future__ import annotations
@@ -18,9 +23,24 @@ EXIT_USER_ERROR = 1
 EXIT_INTERRUPTED = 130
 
 
+def utf8_stdio() -> None:
+    """stdout and stderr write UTF-8, whatever the locale or the pipe (errors="replace": a lone
+    surrogate becomes "?" instead of a traceback). stdin is left alone: a pipe into us speaks
+    the encoding of whoever writes it. Idempotent; streams that cannot be reconfigured
+    (replaced by a test, or os.devnull in a windowed bundle) are left as they are."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is None:
+            continue
+        try:
+            reconfigure(encoding="utf-8", errors="replace")
+        except (ValueError, OSError):  # e.g. a closed stream
+            pass
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import (agent_cmd, bench_cmd, chat_cmd, demo_cmd, models_cmd, pipeline_cmd, serve_cmd,
-                            sparse_cmd)
+    from engine.cli import (agent_cmd, bench_cmd, chat_cmd, demo_cmd, models_cmd, pipeline_cmd, selftest_cmd,
+                            serve_cmd, sparse_cmd)
 
     parser = argparse.ArgumentParser(
         prog="flotilla",
@@ -37,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_parser(sub)
     agent_cmd.add_parser(sub)
     sparse_cmd.add_parser(sub)
+    selftest_cmd.add_parser(sub)
     app = sub.add_parser("app", help="open the desktop app (the same as plain `flotilla`)")
     app.set_defaults(func=lambda _args: open_app([]))
     return parser
@@ -60,6 +81,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    utf8_stdio()  # before anything prints, --help included
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         return _run_guarded(lambda: open_app([]))
@@ -71,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_guarded(fn) -> int:
+    utf8_stdio()  # also for the `python -m engine.cli.<cmd>_cmd` entry points, which start here
     try:
         return int(fn() or 0)
     except KeyboardInterrupt:

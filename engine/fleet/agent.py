@@ -22,6 +22,7 @@ import asyncio
 import collections
 import logging
 import logging.handlers
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class AgentConfig:
     idle: IdleSource | None = None  # None = the platform's sources
     poll_s: float = POLL_S  # machine poll interval
     demo_auto_pair: bool = False  # `flotilla demo` only: accept its controller key unasked (demo_mode.py)
+    stdin_lifeline: bool = False  # stop cleanly when stdin ends (started by the tray or the demo: a pipe)
 
 
 def setup_logging(data: Path, verbose: bool = False) -> Path:
@@ -382,7 +384,7 @@ class Agent:
         if self.demo is not None:
             from engine.fleet.demo_mode import parent_alive
 
-            if not parent_alive(self.demo.parent_pid):
+            if not parent_alive(self.demo):
                 log.warning("demo mode: the demo process %d is gone; stopping", self.demo.parent_pid)
                 self.stopped.set()
                 return
@@ -460,18 +462,82 @@ class Agent:
 
 
 def run_agent(cfg: AgentConfig) -> int:
-    """Run until SIGINT/SIGTERM or a StopRequest(shutdown=True)."""
-    import signal
+    """Run until SIGINT/SIGTERM (CTRL_BREAK on Windows), a StopRequest(shutdown=True), or,
+    with cfg.stdin_lifeline, the end of stdin."""
+    from engine import aio
 
     async def main() -> None:
         agent = Agent(cfg)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, agent.stopped.set)
-            except (NotImplementedError, RuntimeError):  # Windows
-                pass
-        await agent.async_run()
+        stop = lambda: _stop_soon(loop, agent.stopped)  # noqa: E731
+        restore = install_stop_signals(stop)
+        try:
+            if cfg.stdin_lifeline:
+                watch_stdin(stop)
+            await agent.async_run()
+        finally:
+            restore()
 
-    asyncio.run(main())
+    aio.run(main())
     return 0
+
+
+def _stop_soon(loop: asyncio.AbstractEventLoop, stopped: asyncio.Event) -> None:
+    """stopped.set() on the loop, from any thread or a signal handler; a no-op once it closed."""
+    try:
+        loop.call_soon_threadsafe(stopped.set)
+    except RuntimeError:
+        pass
+
+
+def install_stop_signals(stop: Callable[[], None]) -> Callable[[], None]:
+    """stop() on SIGINT, SIGTERM and (Windows) SIGBREAK: plain signal.signal handlers, which
+    every OS runs (asyncio's add_signal_handler does not exist on Windows). Returns a
+    function that puts the previous handlers back."""
+    import signal
+
+    previous = {}
+    for name in ("SIGINT", "SIGTERM", "SIGBREAK"):
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        try:
+            previous[sig] = signal.signal(sig, lambda *_: stop())
+        except (ValueError, OSError):  # not the main thread: the caller stops us
+            pass
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, OSError, TypeError):
+                pass
+
+    return restore
+
+
+def watch_stdin(stop: Callable[[], None], fd: int | None = None) -> threading.Thread:
+    """stop() once stdin ends (a daemon thread reads it): the process that started us closed
+    its end of the pipe -- how the tray and `flotilla demo` ask for a clean stop on every OS
+    (engine/client.py AgentHandle.stop) -- or it died, which closes it too.
+
+    It reads the descriptor (os.read), never sys.stdin: a thread blocked in a buffered read
+    holds that object's lock, and a child forked meanwhile (OpenVINO's telemetry forks one)
+    inherits the lock held and hangs for ever when multiprocessing closes its sys.stdin."""
+    import os
+    import sys
+
+    src = fd if fd is not None else sys.stdin.fileno()
+
+    def run() -> None:
+        try:
+            while os.read(src, 4096):
+                pass
+        except OSError:
+            pass
+        log.info("stdin closed: stopping")
+        stop()
+
+    t = threading.Thread(target=run, name="agent-stdin", daemon=True)
+    t.start()
+    return t

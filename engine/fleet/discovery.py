@@ -8,6 +8,11 @@ Manual peers are "host:port" strings persisted in manual_peers.json, where
 port is the agent's base port (its control port; pairing is base+1 and the
 plaintext info port base+2). They are polled over the info port, which says
 what the TXT record would.
+
+A peer may announce several addresses (Ethernet and Wi-Fi, or one the controller
+cannot reach). async_dial asks them in turn, best first (addresses.dial_order), and
+a Peer lists the one that answered first: Peer.host / Peer.endpoint() is where to
+connect, Peer.endpoints() every address for a caller that falls back itself.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 MANUAL_FILE = "manual_peers.json"
 DEFAULT_BASE_PORT = 47600
 PAIR_OFFSET, INFO_OFFSET = 1, 2  # pairing and info ports relative to the base (control) port
+DIAL_TIMEOUT_S = 1.0  # per address when dialing a peer's addresses in turn (a LAN answers in ms)
 
 EventKind = Literal["added", "updated", "removed"]
 Listener = Callable[[EventKind, "Peer"], None]
@@ -42,19 +48,36 @@ Listener = Callable[[EventKind, "Peer"], None]
 @dataclass(frozen=True)
 class Peer:
     info: AgentInfo  # what the agent announced
-    addresses: tuple[str, ...]  # where it can be reached, best first
+    addresses: tuple[str, ...]  # where it can be reached, best first: the one that answered, if any
     source: Literal["mdns", "manual"]  # how we learnt of it
     last_seen: float  # unix time of the last announcement or answer
+    reached: str | None = None  # the address that answered our info query; None: none did, or not dialed
 
     @property
     def node_id(self) -> str:
         return self.info.node_id
 
+    @property
+    def host(self) -> str:
+        """The address to use: the one that answered, else the best-ranked; "" if none."""
+        return self.addresses[0] if self.addresses else ""
+
     def endpoint(self, port: int | None = None) -> str:
-        """tcp:// endpoint of the first address, control port by default."""
-        host = self.addresses[0]
-        host = f"[{host}]" if ":" in host else host
-        return f"tcp://{host}:{self.info.control_port if port is None else port}"
+        """tcp:// endpoint of the best address (host), control port by default."""
+        return _tcp(self.host, self.info.control_port if port is None else port)
+
+    def endpoints(self, port: int | None = None) -> tuple[str, ...]:
+        """tcp:// endpoints of every address, best first, for a caller that falls back
+        to the next one itself (control port by default)."""
+        return tuple(_tcp(a, self.info.control_port if port is None else port) for a in self.addresses)
+
+    def same_host(self, other: Peer) -> bool:
+        """Do both agents answer on one address (two agents on one PC)?"""
+        return bool(self.addresses) and self.host == other.host
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class Discovery(ABC):
@@ -136,6 +159,23 @@ async def async_query_info(ctx: zmq.asyncio.Context, host: str, info_port: int,
         sock.close()
 
 
+async def async_dial(ctx: zmq.asyncio.Context, node_id: str, addresses: Sequence[str], info_port: int,
+                     timeout_each: float = DIAL_TIMEOUT_S) -> tuple[str, AgentInfo] | None:
+    """Ask each address's info port in turn, best first, with a short timeout each; the
+    first that answers *as node_id* wins (an address can lead to another agent: a
+    subnet that exists on both PCs, our own WSL network). None if none did."""
+    for host in addresses:
+        try:
+            info = await async_query_info(ctx, host, info_port, timeout=timeout_each)
+        except (TimeoutError, ProtocolError, zmq.ZMQError, OSError) as e:
+            log.debug("node %s not reached at %s: %s", node_id[:8], host, e)
+            continue
+        if info.node_id == node_id:
+            return host, info
+        log.info("%s:%d answers as node %s, not %s", host, info_port, info.node_id[:8], node_id[:8])
+    return None
+
+
 class ManualPeers(Discovery):
     """Peers added by hand, polled every `interval` s; removed after `misses`
     unanswered polls, back when they answer again (the entry stays)."""
@@ -212,7 +252,7 @@ class ManualPeers(Discovery):
             return
         self._fails[entry] = 0
         self._by_entry[entry] = info.node_id
-        self._set(Peer(info, (host,), "manual", time.time()))
+        self._set(Peer(info, (host,), "manual", time.time(), reached=host))
 
 
 class Combined(Discovery):

@@ -5,38 +5,50 @@ get cloned (golden images, VM templates, a backup restored on a second PC), and
 two nodes with one id and one key pair would shadow each other in discovery and
 share a secret key. So the id is bound to a machine fingerprint:
 
-  machine_id  /etc/machine-id (Linux), MachineGuid (Windows), IOPlatformUUID (macOS)
-  macs        hashes of the permanent MAC addresses of physical NICs
+  machine_id  the OS's stable id (engine/platform/machine_id.py): MachineGuid
+              (Windows), IOPlatformUUID (macOS), /etc/machine-id (Linux)
+  macs        hashes of the burned-in MAC addresses of physical NICs: no virtual
+              adapter (addresses.is_virtual; on Linux, only devices with a
+              /sys/class/net/X/device link), and no locally administered MAC
+              (the bit Windows, macOS, Android and NetworkManager set on the
+              random, rotating Wi-Fi addresses they use for privacy)
 
-A clone is assumed when the machine id differs, or when none of the recorded
-MACs is present any more (a VM cloned with its machine-id but fresh MACs).
-Adding a NIC is not a clone; replacing the only one looks like one, which costs
-a re-pairing, not a security hole. On a clone the id and the CurveZMQ key pair
-are regenerated; the allow-list is kept (a golden image may carry the admin's
-controller on purpose), docs/fleet.md says so.
+The machine id is the evidence that counts: a different one is a clone. With the
+same id, the MACs speak only when every recorded burned-in MAC is gone (a VM cloned
+with its machine id but given fresh MACs). A rotating Wi-Fi MAC never enters the
+fingerprint, so it cannot look like a clone. Adding a NIC is not a clone; replacing
+the only one looks like one, which costs a re-pairing, not a security hole. On a
+clone the id and the CurveZMQ key pair are regenerated; the allow-list is kept (a
+golden image may carry the admin's controller on purpose), docs/fleet.md says so.
+
+identity.json written before this rule (no "v") recorded random MACs too: with a
+machine id, its MAC list is ignored and rewritten, so an upgrade never re-pairs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import platform
-import subprocess
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.fleet import addresses
 from engine.fleet.paths import read_json, write_json
 from engine.fleet.security import KeyPair
+from engine.platform import LINUX, system
+from engine.platform.machine_id import machine_id
 
 log = logging.getLogger(__name__)
 IDENTITY_FILE = "identity.json"
+RECORD_VERSION = 2  # 2: macs hold burned-in physical MACs only (no random Wi-Fi MACs)
 
 
 @dataclass(frozen=True)
 class Fingerprint:
     machine_id: str  # sha256 of the OS machine id, "" if unknown
-    macs: tuple[str, ...]  # sha256 of each physical MAC, sorted
+    macs: tuple[str, ...]  # sha256 of each burned-in physical MAC, sorted
 
     def matches(self, other: Fingerprint) -> bool:
         """Is `other` (recorded earlier) the same machine as self (now)?"""
@@ -51,51 +63,53 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.strip().lower().encode()).hexdigest()
 
 
-def _os_machine_id() -> str:
-    system = platform.system()
-    try:
-        if system == "Linux":
-            for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-                try:
-                    text = Path(p).read_text().strip()
-                except OSError:
-                    continue
-                if text:
-                    return text
-        elif system == "Windows":
-            import winreg  # type: ignore[import-not-found]
-
-            with winreg.OpenKey(winreg.HKEY_LOCAL_MACHINE, r"SOFTWARE\Microsoft\Cryptography") as k:
-                return str(winreg.QueryValueEx(k, "MachineGuid")[0])
-        elif system == "Darwin":
-            out = subprocess.run(["ioreg", "-rd1", "-c", "IOPlatformExpertDevice"],
-                                 capture_output=True, text=True, timeout=5).stdout
-            for line in out.splitlines():
-                if "IOPlatformUUID" in line:
-                    return line.split("=")[-1].strip().strip('"')
-    except Exception:  # an odd platform must not keep the agent from starting
-        log.debug("no machine id", exc_info=True)
-    return ""
+def normalize_mac(mac: str) -> str:
+    """"AA-BB-CC-DD-EE-FF" (Windows) or "aa:bb:..." -> "aa:bb:cc:dd:ee:ff"; "" if not a MAC."""
+    hexdigits = mac.strip().lower().replace("-", "").replace(":", "").replace(".", "")
+    if len(hexdigits) != 12 or any(c not in "0123456789abcdef" for c in hexdigits):
+        return ""
+    return ":".join(hexdigits[i:i + 2] for i in range(0, 12, 2))
 
 
-def _physical_macs() -> list[str]:
-    """MACs of physical NICs. On Linux only devices with a /sys/.../device link
-    count (no bridges, veths, docker0, VPN taps, whose MACs are random)."""
-    import psutil
+def locally_administered(mac: str) -> bool:
+    """The U/L bit (0x02 of the first octet): set on random and software-made MACs."""
+    return bool(int(mac[:2], 16) & 0x02)
 
-    macs = []
-    for name, addrs in psutil.net_if_addrs().items():
-        if platform.system() == "Linux" and not Path(f"/sys/class/net/{name}/device").exists():
+
+def _linux_physical(name: str) -> bool:
+    return Path(f"/sys/class/net/{name}/device").exists()
+
+
+def stable_macs(table: Sequence[addresses.Nic], os_name: str | None = None,
+                physical: Callable[[str], bool] | None = None) -> list[str]:
+    """Burned-in MACs of physical NICs in `table` (see the module docstring); `physical`
+    is the Linux /sys check (default _linux_physical; a seam for tests)."""
+    os_name, physical = os_name or system(), physical or _linux_physical
+    out = []
+    for nic in table:
+        mac = normalize_mac(nic.mac)
+        if not mac or mac.strip("0:") == "" or mac == "ff:ff:ff:ff:ff:ff" or locally_administered(mac):
             continue
-        for a in addrs:
-            if a.family == psutil.AF_LINK and a.address and a.address.strip("0:-") and name != "lo":
-                macs.append(a.address)
-    return macs
+        if addresses.is_virtual(nic.name, os_name) or (os_name == LINUX and not physical(nic.name)):
+            continue
+        if mac not in out:
+            out.append(mac)
+    return out
 
 
 def current_fingerprint() -> Fingerprint:
-    mid = _os_machine_id()
-    return Fingerprint(_sha(mid) if mid else "", tuple(sorted(_sha(m) for m in _physical_macs())))
+    mid = machine_id()
+    macs = stable_macs(addresses.nics())
+    return Fingerprint(_sha(mid) if mid else "", tuple(sorted(_sha(m) for m in macs)))
+
+
+def _recorded(data: object) -> Fingerprint | None:
+    if not isinstance(data, dict):
+        return None
+    mid, macs = str(data.get("machine_id", "")), tuple(data.get("macs", ()))
+    if data.get("v") != RECORD_VERSION and mid:
+        macs = ()  # an older record's MACs may be random ones: the machine id alone decides
+    return Fingerprint(mid, macs)
 
 
 @dataclass(frozen=True)
@@ -110,8 +124,7 @@ class NodeIdentity:
         fp = fingerprint or current_fingerprint()
         data = read_json(config / IDENTITY_FILE, {})
         node_id = data.get("node_id") if isinstance(data, dict) else None
-        recorded = Fingerprint(str(data.get("machine_id", "")), tuple(data.get("macs", ())))\
-            if isinstance(data, dict) else None
+        recorded = _recorded(data)
         repaired = False
         if not (isinstance(node_id, str) and len(node_id) == 32) or recorded is None:
             node_id = uuid.uuid4().hex
@@ -123,7 +136,7 @@ class NodeIdentity:
             KeyPair.delete(config)
             repaired = True
         else:
-            if fp != recorded:  # e.g. a NIC added: remember the new set
+            if fp != recorded or data.get("v") != RECORD_VERSION:  # e.g. a NIC added: remember the new set
                 write_json(config / IDENTITY_FILE, _record(node_id, fp))
             return cls(node_id, KeyPair.load_or_create(config), False)
         keys = KeyPair.load_or_create(config)
@@ -132,4 +145,4 @@ class NodeIdentity:
 
 
 def _record(node_id: str, fp: Fingerprint) -> dict:
-    return {"node_id": node_id, "machine_id": fp.machine_id, "macs": list(fp.macs)}
+    return {"v": RECORD_VERSION, "node_id": node_id, "machine_id": fp.machine_id, "macs": list(fp.macs)}

@@ -1,48 +1,51 @@
-"""How long the local user has been away from this machine.
+"""How long the local user has been away from this machine, erring towards "not away".
 
-An IdleSource answers idle_seconds(): seconds since the last keyboard/mouse
-input, or None when it cannot tell. Platform sources, tried in order:
+An IdleSource answers idle_seconds(): seconds since the last keyboard/mouse input, or
+None when it cannot tell; it may raise when its reading failed. Platform sources
+(engine/platform/idle_*.py), tried in order:
 
   Linux    logind IdleHint/IdleSinceHint of the graphical session (loginctl),
-           then X11: `xprintidle` if installed, else XScreenSaverQueryInfo
-           through ctypes (libXss)
+           then X11: `xprintidle` if installed, else XScreenSaverQueryInfo (libXss)
   Windows  GetLastInputInfo (ctypes)
   macOS    HIDIdleTime from `ioreg -c IOHIDSystem`
 
-A machine where none answers (a headless box: no session, no display) has no
-local user to yield to; default_idle_source() then reports it idle since boot.
-Tests inject FileIdleSource or FunctionIdleSource instead.
+A platform source also says whether it applies here at all (applies(): a session, a
+display). The difference matters: a machine where no source applies (a headless box)
+has no local user to yield to and is reported idle (since boot, or since the last
+input a source saw); a source that applies but fails is a user we cannot see, so the
+answer is None ("unknown", which the sharing policy never lends on) until a retry,
+with backoff, reads it again. Tests inject FileIdleSource or FunctionIdleSource.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
-import os
-import platform
-import shutil
-import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import psutil
+
+from engine.platform import MACOS, WINDOWS, system
 
 log = logging.getLogger(__name__)
 
 
 class IdleSource(Protocol):
     def idle_seconds(self) -> float | None:
-        """Seconds since the last user input; None if unknown."""
+        """Seconds since the last user input; None if unknown (it may also raise)."""
 
 
 class FunctionIdleSource:
     """Any callable as a source (tests, the tray app feeding its own figure)."""
 
-    def __init__(self, fn: Callable[[], float | None]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[], float | None], applies: Callable[[], bool] | None = None) -> None:
+        self.fn, self._applies = fn, applies
+
+    def applies(self) -> bool:
+        return True if self._applies is None else self._applies()
 
     def idle_seconds(self) -> float | None:
         return self.fn()
@@ -64,138 +67,103 @@ class FileIdleSource:
 
 
 class NoUserSource:
-    """No local user at all: idle since boot."""
+    """No local user at all: idle since `since` (unix time; None = since boot)."""
+
+    def __init__(self, since: Callable[[], float | None] | None = None) -> None:
+        self.since = since
 
     def idle_seconds(self) -> float | None:
-        return max(0.0, time.time() - psutil.boot_time())
+        t = self.since() if self.since is not None else None
+        return max(0.0, time.time() - (psutil.boot_time() if t is None else t))
+
+
+@dataclass
+class _Slot:
+    source: IdleSource
+    applies: bool = False  # the last answer of source.applies()
+    checked_at: float | None = None  # monotonic time of that answer; None = never asked
+    failures: int = 0  # failed readings in a row
+    retry_at: float = 0.0  # monotonic time before which a failed source is not read again
 
 
 class FirstOf:
-    """The first source with an answer; a source that fails is skipped from
-    then on (no loginctl fork every half second on a machine without it)."""
+    """The first applicable source with an answer. A source that applies but fails
+    (raises, or says None) is read again only after a backoff (1 s, 2 s, ... 60 s: no
+    fork of loginctl every half second while it is broken), and meanwhile the answer is
+    None, unknown: never idle. `when_none_apply` answers only when no source applies
+    at all (a headless box); it is told the last input a source saw, so a user who
+    logs out is not reported idle since boot."""
 
-    def __init__(self, sources: Sequence[IdleSource]) -> None:
-        self.sources = list(sources)
+    RECHECK_S = 60.0  # how often applies() is asked again (a user may log in; a display may go)
+    BACKOFF_S = (1.0, 60.0)  # first and longest wait before a failed source is read again
+
+    def __init__(self, sources: Sequence[IdleSource], *, when_none_apply: IdleSource | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.slots = [_Slot(s) for s in sources]
+        self.clock = clock
+        self.last_input: float | None = None  # unix time of the last input an answer implied
+        self.when_none_apply = when_none_apply
+
+    def _applies(self, slot: _Slot, now: float) -> bool:
+        if slot.checked_at is None or now - slot.checked_at >= self.RECHECK_S:
+            fn = getattr(slot.source, "applies", None)
+            try:
+                slot.applies = True if fn is None else bool(fn())
+            except Exception:  # cannot tell whether a user is there: as if there is one
+                log.debug("idle source %s: applies() failed", type(slot.source).__name__, exc_info=True)
+                slot.applies = True
+            slot.checked_at = now
+        return slot.applies
 
     def idle_seconds(self) -> float | None:
-        for src in list(self.sources):
+        now = self.clock()
+        applicable = False
+        for slot in self.slots:
+            if not self._applies(slot, now):
+                continue
+            applicable = True
+            if now < slot.retry_at:
+                continue
             try:
-                value = src.idle_seconds()
+                value = slot.source.idle_seconds()
             except Exception:
-                log.debug("idle source %s failed", type(src).__name__, exc_info=True)
+                log.debug("idle source %s failed", type(slot.source).__name__, exc_info=True)
                 value = None
             if value is not None:
+                slot.failures, slot.retry_at = 0, 0.0
+                self.last_input = time.time() - value
                 return value
-            self.sources.remove(src)
-        return None
-
-
-def _run(cmd: list[str]) -> str | None:
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=2)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout if r.returncode == 0 else None
-
-
-class LogindSource:
-    """systemd-logind's IdleHint of the caller's (or the first graphical) session."""
-
-    def __init__(self) -> None:
-        self.session = os.environ.get("XDG_SESSION_ID") or self._graphical_session()
-
-    @staticmethod
-    def _graphical_session() -> str | None:
-        if not shutil.which("loginctl"):
+            slot.failures += 1
+            first, longest = self.BACKOFF_S
+            slot.retry_at = now + min(longest, first * 2 ** (slot.failures - 1))
+            if slot.failures == 1:
+                log.info("idle source %s gave no answer; not sharing until it does",
+                         type(slot.source).__name__)
+        if applicable or self.when_none_apply is None:
             return None
-        for line in (_run(["loginctl", "list-sessions", "--no-legend"]) or "").splitlines():
-            sid = line.split()[0] if line.split() else ""
-            kind = _run(["loginctl", "show-session", sid, "-p", "Type", "--value"]) if sid else None
-            if kind and kind.strip() in ("x11", "wayland", "mir"):
-                return sid
-        return None
-
-    def idle_seconds(self) -> float | None:
-        if not self.session or not shutil.which("loginctl"):
-            return None
-        out = _run(["loginctl", "show-session", self.session, "-p", "IdleHint", "-p", "IdleSinceHint"])
-        if not out:
-            return None
-        props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-        if props.get("IdleHint") == "no":
-            return 0.0
-        since_us = int(props.get("IdleSinceHint", "0") or 0)
-        return max(0.0, time.time() - since_us / 1e6) if since_us else None
+        return self.when_none_apply.idle_seconds()
 
 
-class X11Source:
-    """Idle time of the X display: xprintidle, else libXss via ctypes."""
+def platform_sources() -> list[IdleSource]:
+    """This OS's sources, best first (imported lazily: each module is one OS's)."""
+    os_name = system()
+    if os_name == WINDOWS:
+        from engine.platform.idle_windows import WindowsSource
 
-    class _Info(ctypes.Structure):
-        _fields_ = [("window", ctypes.c_ulong), ("state", ctypes.c_int), ("kind", ctypes.c_int),
-                    ("til_or_since", ctypes.c_ulong), ("idle", ctypes.c_ulong),
-                    ("event_mask", ctypes.c_ulong)]
+        return [WindowsSource()]
+    if os_name == MACOS:
+        from engine.platform.idle_macos import MacSource
 
-    def idle_seconds(self) -> float | None:
-        if not os.environ.get("DISPLAY"):
-            return None
-        if shutil.which("xprintidle"):
-            out = _run(["xprintidle"])
-            return int(out.strip()) / 1000.0 if out and out.strip().isdigit() else None
-        xlib, xss = ctypes.util.find_library("X11"), ctypes.util.find_library("Xss")
-        if not (xlib and xss):
-            return None
-        x11, lib = ctypes.cdll.LoadLibrary(xlib), ctypes.cdll.LoadLibrary(xss)
-        x11.XOpenDisplay.restype = ctypes.c_void_p
-        x11.XDefaultRootWindow.argtypes = [ctypes.c_void_p]
-        x11.XDefaultRootWindow.restype = ctypes.c_ulong
-        lib.XScreenSaverAllocInfo.restype = ctypes.POINTER(self._Info)
-        lib.XScreenSaverQueryInfo.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.POINTER(self._Info)]
-        display = x11.XOpenDisplay(None)
-        if not display:
-            return None
-        try:
-            info = lib.XScreenSaverAllocInfo()
-            if not lib.XScreenSaverQueryInfo(display, x11.XDefaultRootWindow(display), info):
-                return None
-            return info.contents.idle / 1000.0
-        finally:
-            x11.XCloseDisplay.argtypes = [ctypes.c_void_p]
-            x11.XCloseDisplay(display)
+        return [MacSource()]
+    from engine.platform.idle_linux import LogindSource, X11Source
 
-
-class WindowsSource:
-    def idle_seconds(self) -> float | None:
-        class LASTINPUTINFO(ctypes.Structure):
-            _fields_ = [("cbSize", ctypes.c_uint), ("dwTime", ctypes.c_uint)]
-
-        info = LASTINPUTINFO()
-        info.cbSize = ctypes.sizeof(info)
-        user32, kernel32 = ctypes.windll.user32, ctypes.windll.kernel32  # type: ignore[attr-defined]
-        if not user32.GetLastInputInfo(ctypes.byref(info)):
-            return None
-        # Both are 32-bit millisecond tick counts; the mask handles the 49-day wrap.
-        return ((kernel32.GetTickCount() - info.dwTime) & 0xFFFFFFFF) / 1000.0
-
-
-class MacSource:
-    def idle_seconds(self) -> float | None:
-        out = _run(["ioreg", "-c", "IOHIDSystem", "-d", "4"])
-        for line in (out or "").splitlines():
-            if "HIDIdleTime" in line:
-                return int(line.split("=")[-1].strip()) / 1e9
-        return None
+    return [LogindSource(), X11Source()]
 
 
 def default_idle_source() -> IdleSource:
-    system = platform.system()
-    if system == "Windows":
-        chain: list[IdleSource] = [WindowsSource()]
-    elif system == "Darwin":
-        chain = [MacSource()]
-    else:
-        chain = [LogindSource(), X11Source()]
-    return FirstOf([*chain, NoUserSource()])
+    chain = FirstOf(platform_sources())
+    chain.when_none_apply = NoUserSource(since=lambda: chain.last_input)
+    return chain
 
 
 def idle_source_from_spec(spec: str | None) -> IdleSource:

@@ -74,6 +74,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.aio import LoopThread
+from engine.platform import process
 from engine.fleet.client import AgentClient, AgentRefused, FleetError, NotPaired, async_pair
 from engine.fleet.curve_data import CurveEnd
 from engine.fleet.discovery import Combined, Discovery, ManualPeers, Peer
@@ -85,6 +87,7 @@ from engine.protocol.control import AgentEvent, StatusReply
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, float], None]
+LOCAL_STOP_GRACE_S = 2.0  # a local worker's graceful stop -> kill
 
 
 @dataclass(frozen=True)
@@ -172,11 +175,11 @@ def peer_profile(peer: Peer, status: StatusReply | None = None) -> PeerProfile:
 
 
 def peer_links(peers: Sequence[Peer]) -> dict[tuple[str, str], Any]:
-    """Peers announcing the same first address are one host: loopback between them."""
+    """Peers answering on the same address are one host: loopback between them."""
     out = {}
     for a in peers:
         for b in peers:
-            if a.node_id < b.node_id and a.addresses[:1] == b.addresses[:1]:
+            if a.node_id < b.node_id and a.same_host(b):
                 out[(a.node_id, b.node_id)] = LOOPBACK_LINK
     return out
 
@@ -188,28 +191,6 @@ def local_address_toward(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
-
-
-class LoopThread:
-    """A private asyncio loop on a daemon thread, for sync callers."""
-
-    def __init__(self, name: str = "flotilla-fleet") -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        if threading.current_thread() is self.thread:
-            return  # closed from a callback on the loop itself: it stops after this turn
-        self.thread.join(10)
-        if not self.loop.is_running():
-            self.loop.close()
 
 
 # ---------------------------------------------------------------- discovery and pairing
@@ -290,7 +271,7 @@ class FleetSession:
         self._local_dir: Path | None = None  # this PC's key file for local workers
         self._listeners: list[Callable[[FleetEvent], None]] = []
         self._clients: dict[str, AgentClient] = {}
-        self._loop = LoopThread()
+        self._loop = LoopThread("flotilla-fleet")
         self._watch: asyncio.Future | None = None
         self._stopped = False
         self.timings: dict[str, float] = {}
@@ -328,15 +309,15 @@ class FleetSession:
         loader = threading.Thread(target=lambda: tok.append(_load_tokenizer(model_path)), daemon=True)
         loader.start()
         try:
-            self._loop.run(self._connect_all(), 60)
+            self._loop.call(self._connect_all(), 60)
             self.plan = self._make_plan(model)
             self.timings["plan_s"] = time.monotonic() - t0
             self._export(model_path, model.num_layers)
             t = time.monotonic()
-            self._loop.run(self._send_all(), None)
+            self._loop.call(self._send_all(), None)
             self.timings["transfer_s"] = time.monotonic() - t
             t = time.monotonic()
-            self._loop.run(self._load_all(), None)
+            self._loop.call(self._load_all(), None)
             loader.join()
             self.engine = self._wire(model_path, tok[0] if tok else None)
             if self.cfg.recover:
@@ -346,7 +327,7 @@ class FleetSession:
         except BaseException:
             self.stop()
             raise
-        self._watch = asyncio.run_coroutine_threadsafe(self._watch_events(), self._loop.loop)
+        self._watch = self._loop.submit(self._watch_events())
         self.engine.fleet = self
         self.timings["launch_s"] = time.monotonic() - t0
         return self.engine
@@ -541,7 +522,7 @@ class FleetSession:
             st.link = StageLink(st.index, st.start, st.end, st.peer.endpoint(st.data_port), proc=st.proc,
                                 pid=st.pid, server_key=st.peer.info.public_key)
         links = [st.link for st in self.stages]
-        host = self.cfg.controller_host or local_address_toward(self.stages[0].peer.addresses[0])
+        host = self.cfg.controller_host or local_address_toward(self.stages[0].peer.host)
         self._host = host
         pcfg = PipelineConfig(max_concurrent=self.streams, prefill_chunk=self.cfg.prefill_chunk,
                               context_length=self.context_length, return_bind=f"tcp://{host}:*",
@@ -596,7 +577,7 @@ class FleetSession:
         if self._stopped:
             return
         self._stopped = True
-        if threading.current_thread() is self._loop.thread:  # engine.close() from an event listener
+        if self._loop.on_loop_thread():  # engine.close() from an event listener
             threading.Thread(target=self._stop_now, name="flotilla-fleet-stop", daemon=True).start()
             return
         self._stop_now()
@@ -612,11 +593,11 @@ class FleetSession:
                 if st.peer is None:
                     _stop_local(st.proc)
             if self._clients:
-                self._loop.run(self._unload_all(), 30)
+                self._loop.call(self._unload_all(), 30)
         except Exception as e:
             log.warning("fleet: stopping the workers: %s", e)
         finally:
-            self._loop.close()
+            self._loop.stop(10)
             if self._local_dir is not None:
                 import shutil
 
@@ -644,7 +625,7 @@ class FleetSession:
     def summary(self) -> dict:
         """Peers, plan and timings, as plain data."""
         return {
-            "peers": [{"node_id": p.node_id, "host": p.info.hostname, "address": p.addresses[0],
+            "peers": [{"node_id": p.node_id, "host": p.info.hostname, "address": p.host,
                        "fingerprint": p.info.fingerprint, "left_out": self.left_out.get(p.node_id)}
                       for p in self.peers.values()],
             "plan": [{"stage": st.index, "peer": st.host, "node_id": st.peer.node_id if st.peer else None,
@@ -711,7 +692,7 @@ class FleetRingProvider:
             if st.peer is None:
                 threading.Thread(target=_stop_local, args=(st.proc,), daemon=True).start()
             elif not s._stopped:
-                asyncio.run_coroutine_threadsafe(s._unload_one(st), s._loop.loop)
+                s._loop.submit(s._unload_one(st))
 
     # -- choosing and starting a replacement ------------------------------------
     def _replace(self, ring: list[_Stage], i: int) -> _Stage:
@@ -757,7 +738,7 @@ class FleetRingProvider:
         client = s._clients.get(peer.node_id)
         if client is None:
             raise RecoveryImpossible("no control channel")
-        status = s._loop.run(client.status(), 10)
+        status = s._loop.call(client.status(), 10)
         s.statuses[peer.node_id] = status
         if not status.sharing:
             raise RecoveryImpossible(f"not sharing now: {status.reason}")
@@ -779,8 +760,8 @@ class FleetRingProvider:
             raise RecoveryImpossible("; ".join(x.message for x in issues))
         new = _Stage(i, peer, kinds[0].name, old.start, old.end, old.bundle, old.sha256,
                      shard_path=old.shard_path)
-        s._loop.run(s._send_one(new), None)
-        s._loop.run(s._load_one(new), s.cfg.load_timeout_s + 10)
+        s._loop.call(s._send_one(new), None)
+        s._loop.call(s._load_one(new), s.cfg.load_timeout_s + 10)
         from engine.pipeline.coordinator import StageLink
 
         new.link = StageLink(i, new.start, new.end, peer.endpoint(new.data_port), proc=new.proc, pid=new.pid,
@@ -813,9 +794,8 @@ class FleetRingProvider:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         log_path = s._local_dir / f"local-{n}.log"
         with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, env=env,
-                                    cwd=str(REPO_ROOT), start_new_session=(os.name == "posix"),
-                                    creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
+            proc = process.spawn(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, env=env,
+                                 cwd=str(REPO_ROOT), die_with_us=True)
         new = _Stage(old.index, None, "CPU", old.start, old.end, old.bundle, old.sha256,
                      shard_path=old.shard_path, proc=proc, pid=proc.pid)
         s._all.append(new)
@@ -838,18 +818,10 @@ class FleetRingProvider:
 
 
 def _stop_local(proc: Any) -> None:
-    if proc is None or not hasattr(proc, "send_signal") or proc.poll() is not None:
+    """Stop a worker this PC started (a RemoteWorker or None: nothing to do here)."""
+    if proc is None or not isinstance(proc, subprocess.Popen):
         return
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGTERM) if os.name == "posix" else proc.terminate()
-        proc.wait(2)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    except OSError:
-        pass
+    process.stop(proc, LOCAL_STOP_GRACE_S)
 
 
 def _exit_code(ev: AgentEvent) -> int:
@@ -918,5 +890,5 @@ def launch_fleet(keys: KeyPair, peers: Sequence[Peer], cfg: LaunchConfig = Launc
     return session.launch()
 
 
-__all__ = ["FleetEvent", "FleetRingProvider", "FleetSession", "RemoteWorker", "LaunchConfig", "LoopThread", "async_discover", "async_pair_all",
+__all__ = ["FleetEvent", "FleetRingProvider", "FleetSession", "RemoteWorker", "LaunchConfig", "async_discover", "async_pair_all",
            "controller_keys", "launch_fleet", "local_address_toward", "peer_links", "peer_profile"]

@@ -3,9 +3,16 @@
 Async core (AsyncZeroconf; `async_` methods run on the event loop) and a thin
 sync wrapper that runs the core on a loop thread of its own.
 
-Interfaces are a choice, not a given: None = every interface (what real users
-get), or a list of interface names / IPv4 addresses. Tests pass the address of
-their own namespace's veth, or 127.0.0.1, so no multicast leaves on a real NIC.
+Interfaces are a choice, not a given: None = this machine's usable interfaces
+(what real users get: addresses.announce_addresses skips WSL/Hyper-V, Docker,
+VPN, host-only and link-local adapters), or a list of interface names / IPv4
+addresses, used as given. Tests pass the address of their own namespace's veth,
+or 127.0.0.1, so no multicast leaves on a real NIC.
+
+A browser orders each peer's addresses best first (addresses.dial_order: same
+subnet as one of ours first), dials them in turn on the info port
+(discovery.async_dial) and lists the one that answered first; it remembers it and
+asks that one first on the next TXT update (one quick question, no timeouts).
 
 Stale peers: we advertise with short TTLs (DEFAULT_TTL_S), browsers refresh
 live records before they expire, and zeroconf drops a record that was not
@@ -22,16 +29,19 @@ import json
 import logging
 import socket
 import sys
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psutil
+import zmq
+import zmq.asyncio
 from zeroconf import InterfaceChoice, IPVersion, ServiceStateChange
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 from zeroconf import ServiceInfo
 
-from engine.fleet.discovery import Combined, Discovery, ManualPeers, Peer
+from engine import aio
+from engine.fleet import addresses as addr
+from engine.fleet.discovery import DIAL_TIMEOUT_S, Combined, Discovery, ManualPeers, Peer, async_dial
 from engine.fleet.txt import from_txt, to_txt
 from engine.protocol.control import AgentInfo
 from engine.protocol.errors import ProtocolError
@@ -44,8 +54,9 @@ RESOLVE_TIMEOUT_MS = 3000
 
 def resolve_interfaces(spec: Sequence[str] | None) -> list[str] | InterfaceChoice:
     """Interface names or IPv4 addresses -> IPv4 addresses for Zeroconf(interfaces=...).
-    None or empty = all interfaces. An unknown name is an error, not a silent
-    fallback to all (which would put multicast where the user did not want it)."""
+    None or empty = InterfaceChoice.All (open_zeroconf narrows that to the usable
+    ones). An unknown name is an error, not a silent fallback to all (which would put
+    multicast where the user did not want it)."""
     if not spec:
         return InterfaceChoice.All
     by_name = psutil.net_if_addrs()
@@ -64,21 +75,20 @@ def resolve_interfaces(spec: Sequence[str] | None) -> list[str] | InterfaceChoic
 
 
 def advertised_addresses(interfaces: list[str] | InterfaceChoice) -> list[str]:
-    """Addresses to put in our A records: the chosen ones, or every non-loopback
-    IPv4 address (loopback only when there is nothing else)."""
+    """Addresses to put in our A records: the chosen ones as given, or this machine's
+    usable IPv4 addresses (addresses.announce_addresses: virtual adapters and
+    link-local only when there is nothing else, loopback only when nothing at all)."""
     if isinstance(interfaces, list):
         return interfaces
-    ips = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-           if a.family == socket.AF_INET]
-    public = [ip for ip in ips if not ipaddress.IPv4Address(ip).is_loopback]
-    return public or ips
+    return addr.announce_addresses(addr.nics())
 
 
 def open_zeroconf(interfaces: Sequence[str] | None) -> tuple[AsyncZeroconf, list[str]]:
-    """An AsyncZeroconf on the chosen interfaces (IPv4; the fleet is a LAN
-    thing and v4 keeps the test namespaces simple), and our addresses."""
-    chosen = resolve_interfaces(interfaces)
-    return AsyncZeroconf(interfaces=chosen, ip_version=IPVersion.V4Only), advertised_addresses(chosen)
+    """An AsyncZeroconf on the chosen interfaces (IPv4; the fleet is a LAN thing and
+    v4 keeps the test namespaces simple), and our addresses. With no choice it runs
+    on the addresses we announce, so no multicast goes into a VPN or a WSL network."""
+    ours = advertised_addresses(resolve_interfaces(interfaces))
+    return AsyncZeroconf(interfaces=ours, ip_version=IPVersion.V4Only), ours
 
 
 class MdnsAdvertiser:
@@ -119,33 +129,46 @@ class MdnsAdvertiser:
 
 
 class MdnsDiscovery(Discovery):
-    """Browses `_flotilla._tcp.local.`; resolves each instance to a Peer."""
+    """Browses `_flotilla._tcp.local.`; resolves each instance to a Peer whose
+    addresses are dialed best first (module docstring). `own_nics` is this
+    controller's interface table (addresses.nics; tests pass a fake one)."""
 
     def __init__(self, interfaces: Sequence[str] | None = None, *, own_node_id: str | None = None,
-                 azc: AsyncZeroconf | None = None) -> None:
+                 azc: AsyncZeroconf | None = None, own_nics: Callable[[], Sequence[addr.Nic]] = addr.nics,
+                 dial_timeout: float = DIAL_TIMEOUT_S) -> None:
         super().__init__()
         self.interfaces, self.own = interfaces, own_node_id
         self.azc, self._own_azc = azc, azc is None
+        self.own_nics, self.dial_timeout = own_nics, dial_timeout
         self._browser: AsyncServiceBrowser | None = None
         self._names: dict[str, str] = {}  # instance name -> node_id
+        self._epoch: dict[str, int] = {}  # instance name -> count of its changes so far
+        self._applied: dict[str, int] = {}  # instance name -> epoch of the resolve last applied
+        self._removed: dict[str, int] = {}  # instance name -> epoch of its last removal
+        self._reached: dict[str, str] = {}  # node_id -> the address that answered last
         self._tasks: set[asyncio.Task] = set()
+        self._ctx: zmq.asyncio.Context | None = None
 
     async def async_start(self) -> None:
         if self.azc is None:
             self.azc, _ = open_zeroconf(self.interfaces)
+        self._ctx = zmq.asyncio.Context()
         self._browser = AsyncServiceBrowser(self.azc.zeroconf, SERVICE_TYPE, handlers=[self._on_change])
 
     def _on_change(self, zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+        self._epoch[name] = self._epoch.get(name, 0) + 1
         if state_change is ServiceStateChange.Removed:
+            self._removed[name] = self._epoch[name]
             node = self._names.pop(name, None)
             if node and node not in self._names.values():
+                self._reached.pop(node, None)
                 self._drop(node)
             return
-        task = asyncio.get_running_loop().create_task(self._resolve(name))
+        task = asyncio.get_running_loop().create_task(self._resolve(name, self._epoch[name]))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _resolve(self, name: str) -> None:
+    async def _resolve(self, name: str, epoch: int) -> None:
         assert self.azc is not None
         info = AsyncServiceInfo(SERVICE_TYPE, name)
         if not await info.async_request(self.azc.zeroconf, RESOLVE_TIMEOUT_MS):
@@ -158,11 +181,36 @@ class MdnsDiscovery(Discovery):
             return
         if agent.node_id == self.own:
             return
-        addrs = tuple(info.parsed_scoped_addresses(IPVersion.V4Only))
+        addrs = addr.dial_order(info.parsed_scoped_addresses(IPVersion.V4Only), self.own_nics())
         if not addrs:
             return
+        reached = await self._reach(agent, addrs)
+        # Resolves overlap (a TXT update while we dial): drop this one if the instance was
+        # removed since it began, or a later one was applied already.
+        if self._removed.get(name, 0) > epoch or self._applied.get(name, 0) > epoch:
+            return
+        self._applied[name] = epoch
+        if reached is not None:
+            addrs = [reached, *(a for a in addrs if a != reached)]
         self._names[name] = agent.node_id
-        self._set(Peer(agent, addrs, "mdns", time.time()))
+        self._set(Peer(agent, tuple(addrs), "mdns", time.time(), reached=reached))
+
+    async def _reach(self, agent: AgentInfo, addrs: list[str]) -> str | None:
+        """The first of addrs to answer as this agent (None if none does), trying the one
+        that answered last first: one quick question on a TXT update, and a cable pulled
+        since then still falls back to the other addresses."""
+        known = self._reached.get(agent.node_id)
+        if known in addrs:
+            addrs = [known, *(a for a in addrs if a != known)]
+        if self._ctx is None:
+            return None
+        got = await async_dial(self._ctx, agent.node_id, addrs, agent.info_port, self.dial_timeout)
+        if got is None:
+            log.info("node %s: none of %s answers", agent.node_id[:8], ", ".join(addrs))
+            self._reached.pop(agent.node_id, None)
+            return None
+        self._reached[agent.node_id] = got[0]
+        return got[0]
 
     async def async_close(self) -> None:
         if self._browser is not None:
@@ -170,40 +218,41 @@ class MdnsDiscovery(Discovery):
             self._browser = None
         for t in list(self._tasks):
             t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
         if self._own_azc and self.azc is not None:
             await self.azc.async_close()
             self.azc = None
 
 
 class SyncDiscovery:
-    """Thin sync wrapper: runs a Discovery on a private event loop thread.
-    Listeners are called on that thread."""
+    """Thin sync wrapper: runs a Discovery on a private event loop thread
+    (aio.LoopThread). Listeners are called on that thread."""
 
     def __init__(self, discovery: Discovery) -> None:
         self.discovery = discovery
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="flotilla-mdns", daemon=True)
+        self._thread = aio.LoopThread("flotilla-mdns")
 
     def start(self) -> None:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.discovery.async_start(), self._loop).result(10)
+        self._thread.call(self.discovery.async_start(), timeout=10)
 
     def peers(self) -> dict[str, Peer]:
-        return asyncio.run_coroutine_threadsafe(self._peers(), self._loop).result(10)
+        return self._thread.call(self._peers(), timeout=10)
 
     async def _peers(self) -> dict[str, Peer]:
         return self.discovery.peers()
 
     def add_listener(self, listener) -> None:
-        self._loop.call_soon_threadsafe(self.discovery.add_listener, listener)
+        self._thread.call_soon(self.discovery.add_listener, listener)
 
     def close(self) -> None:
         try:
-            asyncio.run_coroutine_threadsafe(self.discovery.async_close(), self._loop).result(10)
+            if self._thread.running:
+                self._thread.call(self.discovery.async_close(), timeout=10)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
+            self._thread.stop(10)
 
 
 # ------------------------------------------------ `python -m engine.fleet.mdns browse`
@@ -212,7 +261,8 @@ class SyncDiscovery:
 def peer_json(kind: str, peer: Peer) -> str:
     i = peer.info
     return json.dumps({"event": kind, "t": round(time.time(), 3), "node_id": i.node_id,
-                       "host": i.hostname, "addresses": list(peer.addresses), "source": peer.source,
+                       "host": i.hostname, "addresses": list(peer.addresses), "reached": peer.reached,
+                       "source": peer.source,
                        "idle": i.idle, "ram_available": i.ram_available, "on_ac": i.on_ac,
                        "control_port": i.control_port, "fingerprint": i.fingerprint,
                        "devices": [d.name for d in i.devices]})
@@ -250,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0, help="stop after this long (default: never)")
     args = p.parse_args(argv)
     try:
-        asyncio.run(_browse(args))
+        aio.run(_browse(args))
     except KeyboardInterrupt:
         pass
     return 0

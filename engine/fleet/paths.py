@@ -1,10 +1,11 @@
-"""Where the fleet keeps its files.
+"""Where the fleet keeps its files, and how it writes them.
 
-Config (keys, node id, allow-list, policy, manual peers) is small and secret:
-$FLOTILLA_CONFIG, else the platform's user config dir. Data (shards, logs) is
-big: $FLOTILLA_DATA, else <FLOTILLA_CONFIG>/data when only that is set (so a
-test or a second agent on one machine is fully isolated by one variable), else
-the platform's user data dir.
+The folders are engine/paths.py's (one per kind, per OS, with $FLOTILLA_CONFIG /
+$FLOTILLA_DATA overrides and the migration from earlier versions): config_dir() is its
+keys folder (keys, node id, allow-list, policy, manual peers: small and secret), data_dir()
+its data folder (shards, logs: big). With only $FLOTILLA_CONFIG set, data is
+<FLOTILLA_CONFIG>/data, so a test or a second agent on one machine is isolated by one
+variable.
 """
 
 from __future__ import annotations
@@ -15,37 +16,23 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-APP = "flotilla"
+from engine import paths as _paths
+from engine.paths import ensure_private_dir
+
+APP = _paths.APP
 
 
 def config_dir() -> Path:
-    env = os.environ.get("FLOTILLA_CONFIG")
-    if env:
-        path = Path(env)
-    else:
-        import platformdirs
-
-        path = Path(platformdirs.user_config_dir(APP, appauthor=False))
-    return ensure_private_dir(path)
+    """The fleet's config: engine.paths.keys_dir() (created, mode 0700)."""
+    return _paths.keys_dir()
 
 
 def data_dir() -> Path:
-    env = os.environ.get("FLOTILLA_DATA")
-    if env:
-        path = Path(env)
-    elif os.environ.get("FLOTILLA_CONFIG"):
-        path = Path(os.environ["FLOTILLA_CONFIG"]) / "data"
-    else:
-        import platformdirs
-
-        path = Path(platformdirs.user_data_dir(APP, appauthor=False))
-    return ensure_private_dir(path)
+    """The fleet's shards and logs: engine.paths.data_dir() (created, mode 0700)."""
+    return _paths.data_dir()
 
 
-def ensure_private_dir(path: Path) -> Path:
-    """mkdir -p with mode 0700: other local users must not read our keys."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return path
+__all__ = ["APP", "config_dir", "data_dir", "ensure_private_dir", "read_json", "write_json", "write_private"]
 
 
 def write_private(path: Path, data: bytes | str) -> None:

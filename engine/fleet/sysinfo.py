@@ -10,6 +10,7 @@ import threading
 
 import psutil
 
+from engine.platform import MACOS, WINDOWS, system
 from engine.protocol.control import DeviceInfo
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,17 @@ def hostname() -> str:
 
 
 def os_name() -> str:
-    return f"{platform.system()} {platform.release()}"[:255]
+    """What people call this OS: "Windows 11", "macOS 14.5", "Linux 6.8.0-45-generic"."""
+    os_ = system()
+    if os_ == WINDOWS:
+        # platform.release() says "10" on Windows 11 before Python 3.12: the build number tells them apart.
+        build = platform.version().split(".")[-1]
+        name = "Windows 11" if build.isdigit() and int(build) >= 22000 else f"Windows {platform.release()}"
+    elif os_ == MACOS:
+        name = f"macOS {platform.mac_ver()[0] or platform.release()}"  # release() is the Darwin kernel's
+    else:
+        name = f"{platform.system()} {platform.release()}"
+    return name[:255]
 
 
 def ram() -> tuple[int, int]:

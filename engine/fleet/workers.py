@@ -17,8 +17,16 @@ line of any kind, or BOUND_WAIT_S) and reports the port in LoadReply, so a
 controller can let the worker pick a free port on a PC it cannot see into.
 
 Workers run in their own process group with their output in a log file, and
-are stopped with SIGTERM, then SIGKILL after a grace period, so a yield to the
-returning user completes within 2 s even if a worker hangs.
+are stopped gracefully (engine/platform/process.py: SIGTERM to the group on
+POSIX, CTRL_BREAK_EVENT on Windows), then killed with their children after a
+grace period, so a yield to the returning user completes within 2 s even if a
+worker hangs. On Windows they are also in the agent's kill-on-close Job object:
+they die with the agent even when it is killed outright.
+
+No asyncio subprocesses (a selector loop cannot run them on Windows, and
+engine/aio.py runs one on every OS): workers are plain subprocess.Popen; one
+thread per worker reads its stdout, another waits for its exit, and both hand
+what they see to the event loop with call_soon_threadsafe.
 """
 
 from __future__ import annotations
@@ -27,18 +35,23 @@ import asyncio
 import json
 import logging
 import os
-import signal
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
+from engine.platform import process
 from engine.protocol.control import ShardInfo
 
 log = logging.getLogger(__name__)
-STOP_GRACE_S = 0.6  # SIGTERM -> SIGKILL; with the 0.5 s poll a yield stays well inside 2 s
+STOP_GRACE_S = 0.6  # graceful stop -> kill; with the 0.5 s poll a yield stays well inside 2 s
 BOUND_WAIT_S = 60.0  # wait this long for a worker's first stdout line (python + imports)
+EXIT_SETTLE_S = 1.0  # a worker whose stdout ended: wait this long for its exit to be reported
+KILL_REAP_S = 5.0  # after a kill, wait this long for the exit to be reported
 
 
 def pipeline_worker_command() -> list[str]:
@@ -80,12 +93,13 @@ class Worker:
     sha256: str
     size: int
     device: str
-    proc: asyncio.subprocess.Process
+    proc: subprocess.Popen
     started: float = field(default_factory=time.time)
     exit_code: int | None = None
     stopping: bool = False  # we asked it to stop (not an exit to report)
     data_port: int = 0  # the port its data socket bound, as it reported; 0 = unknown
     options: LaunchOptions = field(default_factory=LaunchOptions)  # how it was started
+    done: asyncio.Future | None = field(default=None, repr=False)  # resolves with the exit code, on the loop
 
     def info(self) -> ShardInfo:
         running = self.exit_code is None
@@ -118,29 +132,35 @@ class WorkerSupervisor:
                               bind_host=opts.bind_host, exact=opts.exact, curve=opts.curve,
                               cache=opts.cache)
         log_path = self.log_dir / f"worker-{sha256[:12]}.log"
-        logfile = open(log_path, "ab")
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=logfile,
-                start_new_session=(os.name == "posix"))
-        finally:
-            logfile.close()  # the child has its own descriptor
-        worker = Worker(shard_id, sha256, size, device, proc, options=opts)
+        loop = asyncio.get_running_loop()
+        with open(log_path, "ab") as logfile:  # the child has its own descriptor
+            proc = process.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logfile,
+                                 die_with_us=True)
+        worker = Worker(shard_id, sha256, size, device, proc, options=opts, done=loop.create_future())
         self.workers[sha256] = worker
         log.info("started worker pid %d for %s on %s: %s", proc.pid, shard_id, device, argv)
-        worker.data_port = await self._first_line(worker, log_path, port)
-        asyncio.get_running_loop().create_task(self._reap(worker))
+        first: asyncio.Future[bytes] = loop.create_future()
+        assert proc.stdout is not None
+        threading.Thread(target=_pump_stdout, args=(proc.stdout, log_path, loop, first),
+                         name=f"worker-{proc.pid}-out", daemon=True).start()
+        threading.Thread(target=_wait_exit, args=(proc, loop, lambda code: self._exited(worker, code)),
+                         name=f"worker-{proc.pid}-wait", daemon=True).start()
+        worker.data_port = await self._first_line(worker, first, port)
         return worker
 
-    async def _first_line(self, worker: Worker, log_path: Path, port: int) -> int:
+    async def _first_line(self, worker: Worker, first: asyncio.Future[bytes], port: int) -> int:
         """Wait for the worker's first stdout line; the port it bound (else port).
-        The rest of its stdout is copied to its log."""
-        assert worker.proc.stdout is not None
+        The rest of its stdout goes to its log (the reader thread copies it)."""
         try:
-            line = await asyncio.wait_for(worker.proc.stdout.readline(), BOUND_WAIT_S)
+            line = await asyncio.wait_for(asyncio.shield(first), BOUND_WAIT_S)
         except asyncio.TimeoutError:
             line = b""
             log.warning("worker pid %d said nothing within %.0f s", worker.proc.pid, BOUND_WAIT_S)
+        if not line and worker.done is not None:  # stdout ended: it is exiting; let the exit be seen
+            try:
+                await asyncio.wait_for(asyncio.shield(worker.done), EXIT_SETTLE_S)
+            except asyncio.TimeoutError:
+                pass
         bound = port
         try:
             event = json.loads(line)
@@ -148,12 +168,13 @@ class WorkerSupervisor:
                 bound = int(str(event["endpoint"]).rsplit(":", 1)[1])
         except (ValueError, KeyError, IndexError, TypeError):
             pass
-        asyncio.get_running_loop().create_task(_copy_rest(worker.proc.stdout, log_path, line))
         return bound if 0 < bound < 65536 else port
 
-    async def _reap(self, worker: Worker) -> None:
-        code = await worker.proc.wait()
+    def _exited(self, worker: Worker, code: int) -> None:
+        """On the loop: the worker's exit, as its waiting thread saw it."""
         worker.exit_code = code
+        if worker.done is not None and not worker.done.done():
+            worker.done.set_result(code)
         log.info("worker pid %d (%s) exited with %d", worker.proc.pid, worker.shard_id, code)
         if not worker.stopping and self.on_exit:
             self.on_exit(worker)
@@ -164,13 +185,18 @@ class WorkerSupervisor:
             return None
         if worker.exit_code is None:
             worker.stopping = True
-            _signal_group(worker.proc, signal.SIGTERM)
+            assert worker.done is not None
+            process.interrupt(worker.proc)
             try:
-                await asyncio.wait_for(worker.proc.wait(), grace)
+                await asyncio.wait_for(asyncio.shield(worker.done), grace)
             except asyncio.TimeoutError:
-                _signal_group(worker.proc, getattr(signal, "SIGKILL", signal.SIGTERM))
-                await worker.proc.wait()
-            worker.exit_code = worker.proc.returncode
+                process.kill_tree(worker.proc)
+                try:
+                    await asyncio.wait_for(asyncio.shield(worker.done), KILL_REAP_S)
+                except asyncio.TimeoutError:
+                    log.error("worker pid %d did not exit after a kill", worker.proc.pid)
+            if worker.exit_code is None:
+                worker.exit_code = worker.proc.returncode
         return worker
 
     async def stop_all(self, grace: float = STOP_GRACE_S) -> list[Worker]:
@@ -179,23 +205,39 @@ class WorkerSupervisor:
         return running
 
 
-async def _copy_rest(stream: asyncio.StreamReader, log_path: Path, first: bytes) -> None:
-    """Append a worker's remaining stdout to its log (a pipe nobody reads would block it)."""
-    with open(log_path, "ab") as f:
-        f.write(first)
-        while True:
-            chunk = await stream.read(65536)
-            if not chunk:
-                return
-            f.write(chunk)
-            f.flush()
-
-
-def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+def _hand_over(loop: asyncio.AbstractEventLoop, fn: Callable, *args: object) -> None:
+    """fn(*args) on the loop, from a thread; dropped when the loop is already closed."""
     try:
-        if os.name == "posix":
-            os.killpg(proc.pid, sig)  # the worker's own children too
-        else:
-            proc.kill()
-    except (ProcessLookupError, PermissionError):
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
         pass
+
+
+def _set_once(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _pump_stdout(stdout: IO[bytes], log_path: Path, loop: asyncio.AbstractEventLoop,
+                 first: asyncio.Future[bytes]) -> None:
+    """A worker's stdout (thread): the first line to the loop, then everything to its log
+    (a pipe nobody reads would block the worker)."""
+    try:
+        line = stdout.readline()
+        _hand_over(loop, _set_once, first, line)
+        with open(log_path, "ab") as f:
+            f.write(line)
+            f.flush()
+            while chunk := stdout.read1(65536):
+                f.write(chunk)
+                f.flush()
+    except (OSError, ValueError):
+        _hand_over(loop, _set_once, first, b"")
+    finally:
+        stdout.close()
+
+
+def _wait_exit(proc: subprocess.Popen, loop: asyncio.AbstractEventLoop, on_exit: Callable[[int], None]) -> None:
+    """Wait for the worker's exit (thread) and report its code on the loop."""
+    code = proc.wait()
+    _hand_over(loop, on_exit, code)

@@ -5,8 +5,8 @@ folder or a damaged models.json never makes the list fail; a registered
 folder that no longer resolves is still listed, with `error` saying why, so
 the model picker can show it greyed out instead of silently dropping it.
 
-User folders persist in `models.json` under the user config dir (or
-$FLOTILLA_CONFIG), written atomically so a crash never leaves half a file.
+User folders persist in `models.json` in the settings folder (engine/paths.py:
+$FLOTILLA_CONFIG, else the OS's), written atomically so a crash never leaves half a file.
 """
 
 from __future__ import annotations
@@ -40,13 +40,12 @@ class LocalModelEntry:
 
 
 def config_dir() -> Path:
-    """$FLOTILLA_CONFIG or the per-user config folder of Flotilla."""
-    env = os.environ.get("FLOTILLA_CONFIG")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
+    """The settings folder models.json lives in (engine/paths.py: $FLOTILLA_CONFIG, else the
+    OS's; an earlier version's models.json is moved there). Not created: listing writes nothing,
+    the first add_model_folder creates it."""
+    from engine.paths import folders
 
-    return Path(platformdirs.user_config_dir("flotilla", appauthor=False))
+    return folders().settings
 
 
 def list_local_models() -> list[LocalModelEntry]:

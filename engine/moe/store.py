@@ -12,13 +12,17 @@ Layout of a store folder (written by convert.py):
 A blob holds one expert's gate_up [2I, H] (gate rows first, then up rows: the
 transformers 5 `gate_up_proj[e]` layout) followed by down [I->H] as [H, I],
 float32. Reads go straight from the disk into a caller's page-aligned buffer
-(a cache slot) with O_DIRECT, so benchmark figures reflect the disk and not
-the page cache; where O_DIRECT is not in effect (a file system that refuses
-it, or tmpfs/ramfs, whose pages are RAM: recent kernels accept O_DIRECT there
-but no read comes from a disk) the store falls back to buffered reads with a
-warning and says so: `io_mode` is then "buffered" and `io_fallback_reason`
-tells why, so a benchmark can refuse to present page-cache figures as disk
-ones. Every blob carries a checksum that is
+(a cache slot) unbuffered -- O_DIRECT on Linux, FILE_FLAG_NO_BUFFERING on
+Windows, F_NOCACHE on macOS (engine/platform/pread.py) -- so benchmark figures
+reflect the disk and not the page cache; where that is not in effect (a file
+system that refuses it, or tmpfs/ramfs, whose pages are RAM: recent kernels
+accept O_DIRECT there but no read comes from a disk) the store falls back to
+buffered reads with a warning and says so: `io_mode` is then "buffered" and
+`io_fallback_reason` tells why, so a benchmark can refuse to present
+page-cache figures as disk ones. `io_reader` says how reads happen: "preadv"
+(os.preadv, no lock) or "seek" (a per-handle lock + seek + readinto: Windows,
+which has no pread; FLOTILLA_PORTABLE_IO=1, read when the store opens, forces
+it on any OS so the Windows path is tested here). Every blob carries a checksum that is
 verified on read (always, or on the first read of each blob) so a corrupted
 blob is reported as an error, never turned into a wrong answer.
 """
@@ -26,7 +30,6 @@ blob is reported as an error, never turned into a wrong answer.
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import logging
 import mmap
@@ -37,6 +40,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from engine.platform import pread
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +169,8 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, align_up(nbytes))
 
 
-# -- O_DIRECT, and whether it is really in effect ---------------------------------
-IO_MODES = ("o_direct", "buffered")
+# -- unbuffered reads, and whether they are really in effect ------------------------
+IO_MODES = pread.IO_MODES  # "o_direct" (Linux), "no_buffering" (Windows), "f_nocache" (macOS), "buffered"
 RAM_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type magic numbers
 
 
@@ -185,57 +190,46 @@ def fs_type(path: Path | str) -> str | None:
     return RAM_FILE_SYSTEMS.get(magic, "other")
 
 
-def open_for_reads(path: Path | str, direct: bool = True) -> tuple[int, str | None]:
-    """Open `path` read-only, with O_DIRECT when `direct` and it is really in effect.
-
-    Returns (fd, fallback reason): the reason is None when O_DIRECT is in effect or
-    was not asked for, else why the fd is a buffered one (O_DIRECT missing on this
-    platform, refused by the file system, a probe read failing with EINVAL, or the
-    file living in RAM (tmpfs/ramfs), where reads never come from a disk)."""
+def open_for_reads(path: Path | str, direct: bool = True, portable: bool | None = None) -> pread.Reader:
+    """Open `path` for positional reads (engine/platform/pread.py), unbuffered when `direct`
+    and it is really in effect; `reader.fallback_reason` is None then, else why reads are
+    buffered (no unbuffered mode on this OS, refused by the file system, a probe read
+    failing, or the file living in RAM (tmpfs/ramfs), where reads never come from a disk).
+    portable: the lock + seek + readinto reader of Windows on any OS (None: FLOTILLA_PORTABLE_IO)."""
     if not direct:
-        return os.open(path, os.O_RDONLY), None
+        return pread.open_reader(path, unbuffered=False, portable=portable)
     ram = fs_type(path)
-    if not hasattr(os, "O_DIRECT"):
-        reason = "O_DIRECT is not available on this platform"
-    elif ram in RAM_FILE_SYSTEMS.values():
-        reason = (f"the file is on {ram}, which is RAM: reads never come from a disk, "
-                  "so O_DIRECT cannot keep the page cache out of the figures")
-    else:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError as e:
-            reason = f"the file system refuses O_DIRECT ({e.strerror or e})"
-        else:
-            try:
-                import fcntl  # POSIX only, as O_DIRECT is
-
-                if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-                    raise OSError(errno.EINVAL, "the O_DIRECT flag did not stick")
-                if os.fstat(fd).st_size >= ALIGN:  # EINVAL here on file systems that open but cannot read
-                    os.preadv(fd, [aligned_buffer(ALIGN)], 0)
-                return fd, None
-            except OSError as e:
-                os.close(fd)
-                reason = f"an O_DIRECT read fails ({e.strerror or e})"
-    return os.open(path, os.O_RDONLY), reason
+    if ram in RAM_FILE_SYSTEMS.values():
+        reader = pread.open_reader(path, unbuffered=False, portable=portable)
+        reader.fallback_code = "ram"
+        reader.fallback_reason = (f"the file is on {ram}, which is RAM: reads never come from a disk, "
+                                  "so O_DIRECT cannot keep the page cache out of the figures")
+        return reader
+    return pread.open_reader(path, unbuffered=True, portable=portable)
 
 
 class DirectIOReport:
-    """What a store's reads go through, for its figures: needs `config.direct` (asked
-    for) and `io_fallback_reason` (None unless O_DIRECT fell back). Both stores use it."""
+    """What a store's reads go through, for its figures. The store sets, at open:
+    `io_fallback_reason` (None unless an unbuffered open fell back, for any of its files),
+    `io_unbuffered` (the mode asked of this OS: "o_direct", "no_buffering", "f_nocache")
+    and `io_reader` (how reads happen: "preadv", "pread", "seek" -- the portable
+    fallback, forced by FLOTILLA_PORTABLE_IO=1 -- or "aio" for the sparse store's
+    Linux native AIO). Needs `config.direct` (asked for). Both stores use it."""
 
     config: Any
-    io_fallback_reason: str | None
+    io_fallback_reason: str | None = None
+    io_unbuffered: str = "o_direct"
+    io_reader: str = "preadv"
 
     @property
     def io_requested(self) -> str:
-        """"o_direct" or "buffered": what the config asked for."""
-        return "o_direct" if self.config.direct else "buffered"
+        """The OS's unbuffered mode or "buffered": what the config asked for."""
+        return self.io_unbuffered if self.config.direct else "buffered"
 
     @property
     def io_mode(self) -> str:
-        """"o_direct" or "buffered": what reads really go through (every file)."""
-        return "o_direct" if self.config.direct and self.io_fallback_reason is None else "buffered"
+        """One of IO_MODES: what reads really go through (every file)."""
+        return self.io_requested if self.io_fallback_reason is None else "buffered"
 
     def io_info(self) -> dict[str, str | None]:
         """{"requested", "effective", "fallback_reason"}."""
@@ -245,12 +239,12 @@ class DirectIOReport:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    direct: bool = True  # O_DIRECT reads (bypass the page cache); falls back with a warning
+    direct: bool = True  # unbuffered reads (bypass the page cache: O_DIRECT & co.); falls back with a warning
     verify: str = "always"  # checksum each read: "always", "first" (first read per blob), "never"
 
 
 class ExpertStore(DirectIOReport):
-    """Reads expert blobs into caller-owned aligned buffers; thread-safe (pread)."""
+    """Reads expert blobs into caller-owned aligned buffers; thread-safe (engine.platform.pread)."""
 
     def __init__(self, folder: Path, config: StoreConfig = StoreConfig()) -> None:
         if config.verify not in VERIFY_MODES:
@@ -270,22 +264,23 @@ class ExpertStore(DirectIOReport):
             raise StoreError(f"expert blobs missing: {e}") from None
         if size < expect:
             raise StoreError(f"{path} is truncated ({size} bytes, the index needs {expect})")
-        self.direct = False  # O_DIRECT in effect (see io_mode / io_fallback_reason)
+        self.direct = False  # unbuffered reads in effect (see io_mode / io_fallback_reason)
         self.io_fallback_reason: str | None = None
-        self._fd = self._open(path)
+        self._reader = self._open(path)
         self._verified: set[Key] = set()  # blobs already checked (verify="first")
         self._lock = threading.Lock()
         self.bytes_read = 0  # total bytes read from disk (statistics)
         self.reads = 0  # blobs read
 
-    def _open(self, path: Path) -> int:
-        fd, self.io_fallback_reason = open_for_reads(path, self.config.direct)
+    def _open(self, path: Path) -> pread.Reader:
+        self.io_unbuffered = pread.unbuffered_mode()
+        reader = open_for_reads(path, self.config.direct)
+        self.io_fallback_reason, self.io_reader = reader.fallback_reason, reader.method
         self.direct = self.config.direct and self.io_fallback_reason is None
         if self.io_fallback_reason:
-            log.warning("O_DIRECT is not in effect for %s (%s); using buffered reads, so figures "
-                        "include the page cache", path, self.io_fallback_reason)
-        return fd
-
+            log.warning("%s is not in effect for %s (%s); using buffered reads, so figures "
+                        "include the page cache", pread.LABELS[self.io_unbuffered], path, self.io_fallback_reason)
+        return reader
 
     @property
     def keys(self) -> list[Key]:
@@ -302,12 +297,10 @@ class ExpertStore(DirectIOReport):
             raise StoreError(f"no expert {key[1]} in layer {key[0]} in {self.folder}") from None
         n = self.index.blob_bytes
         view = memoryview(buf)[:n]
-        got = 0
-        while got < n:  # preadv may return short counts; O_DIRECT resumes at an aligned offset
-            r = os.preadv(self._fd, [view[got:]], info.offset + got)
-            if r <= 0:
-                raise StoreError(f"short read of expert {key} from {self.folder / BLOB_FILE}")
-            got += r
+        try:
+            self._reader.readinto(view, info.offset)  # short reads resumed (at aligned offsets)
+        except pread.ShortReadError:
+            raise StoreError(f"short read of expert {key} from {self.folder / BLOB_FILE}") from None
         with self._lock:
             self.bytes_read += n
             self.reads += 1
@@ -324,6 +317,4 @@ class ExpertStore(DirectIOReport):
                 self._verified.add(key)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._reader.close()

@@ -21,8 +21,9 @@ Steps, each of which can fail with a clear message before the next starts:
    answer (shards compiled). Every data socket is CURVE-encrypted with
    throw-away keys (engine/fleet/curve_data.py), as on a real fleet, unless
    FleetConfig.curve is False (`flotilla pipeline --plaintext`).
-stop() (also on close, at exit and on any launch error) sends SIGTERM to each
-process group, then SIGKILL after a grace period: no orphans.
+stop() (also on close, at exit and on any launch error) asks each stage to stop
+(engine/platform/process.py: SIGTERM to its group, CTRL_BREAK on Windows), then
+kills what is left after a grace period, children included: no orphans.
 """
 
 from __future__ import annotations
@@ -32,16 +33,15 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.platform import process
 from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink, describe_exit, log_tail
 from engine.serve.interface import EngineError
 from engine.pipeline import plan_weights
@@ -55,7 +55,7 @@ Progress = Callable[[str, float], None]
 # place), "compile" (the worker runs and loads/compiles it), "ready".
 StageProgress = Callable[[int, str, float], None]
 REPO_ROOT = Path(__file__).resolve().parents[2]
-STOP_GRACE_S = 2.0  # SIGTERM -> SIGKILL
+STOP_GRACE_S = 2.0  # graceful stop -> kill
 BOUND_TIMEOUT_S = 60.0  # a worker must report its address within this (python + openvino import)
 
 
@@ -216,14 +216,13 @@ class LocalFleet:
             log_path = self.log_dir / f"stage-{i}.log"
             with open(log_path, "ab") as logf:
                 # Own session/process group: a terminal Ctrl-C reaches only us; we stop them.
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
-                                        env=env, cwd=str(REPO_ROOT), start_new_session=(os.name == "posix"),
-                                        creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
+                proc = process.spawn(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
+                                     env=env, cwd=str(REPO_ROOT), die_with_us=True)
             with self._lock:
                 self.procs.append(proc)
                 stopped = self._stopped
             if stopped:  # stop() ran meanwhile (a cancelled launch): this one must not outlive it
-                _signal(proc, signal.SIGKILL)
+                process.kill_tree(proc)
                 proc.wait()
                 raise PipelineLaunchError("the launch was stopped")
             st = self.plan.stages[i]
@@ -256,7 +255,7 @@ class LocalFleet:
             raise PipelineLaunchError(f"{link.label} printed no address (log: {link.log_path})") from None
 
     def stop(self) -> None:
-        """SIGTERM every stage's process group, then SIGKILL what is left. Idempotent."""
+        """Ask every stage to stop, then kill what is left after STOP_GRACE_S. Idempotent."""
         with self._lock:
             if self._stopped:
                 return
@@ -266,16 +265,7 @@ class LocalFleet:
             atexit.unregister(self.stop)
         except Exception:
             pass
-        alive = [p for p in procs if p.poll() is None]
-        for p in alive:
-            _signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for p in alive:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
-                p.wait()
+        process.stop_all(procs, STOP_GRACE_S)
         if self.ring_keys is not None:
             self.ring_keys.cleanup()
 
@@ -307,16 +297,6 @@ class _CancelWatch:
                 if not self.over.is_set():
                     self.fleet.stop()
                 return
-
-
-def _signal(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        if os.name == "posix":
-            os.killpg(proc.pid, sig)  # its own session: the group id is its pid
-        else:
-            proc.send_signal(sig)
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
 
 
 def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,

@@ -13,8 +13,8 @@ LocalRingProvider is the re-plan provider launch_pipeline gives the
 coordinator (engine/pipeline/recovery.py): for each lost stage it hands the
 stage's own arguments to a standby (or, if none is ready, starts a fresh
 worker with them), waits for its address, and returns the new ring; then it
-starts the next standby in the background. Retired stages are killed (their
-process group). Every process it starts is in fleet.procs, so fleet.stop()
+starts the next standby in the background. Retired stages are killed (with
+their children). Every process it starts is in fleet.procs, so fleet.stop()
 ends them all.
 """
 
@@ -29,6 +29,8 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
+
+from engine.platform import process
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +81,11 @@ class LocalRingProvider:
         return links
 
     def retire(self, links: Sequence[Any], reason: str) -> None:
-        from engine.pipeline.runner import _signal
-
-        import signal
-
         for link in links:
             proc = getattr(link, "proc", None)
             if proc is None or proc.poll() is not None:
                 continue
-            _signal(proc, signal.SIGKILL)
+            process.kill_tree(proc)
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -138,17 +136,12 @@ class LocalRingProvider:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=logf, env=env,
-                                    cwd=str(REPO_ROOT), start_new_session=(os.name == "posix"),
-                                    creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
+            proc = process.spawn(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=logf, env=env,
+                                 cwd=str(REPO_ROOT), die_with_us=True)
         with self._lock:
             self.fleet.procs.append(proc)  # fleet.stop() ends it
         if getattr(self.fleet, "_stopped", False):  # stopped meanwhile: do not leave it behind
-            from engine.pipeline.runner import _signal
-
-            import signal
-
-            _signal(proc, signal.SIGKILL)
+            process.kill_tree(proc)
         return proc
 
 
@@ -168,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m engine.pipeline.standby", description=__doc__.split("\n")[0])
-    p.add_argument("--parent-pid", type=int, help="exit when this process is no longer the parent")
+    p.add_argument("--parent-pid", type=int, help="exit when this process is gone (pid + creation time)")
     a = p.parse_args(argv)
     from engine.pipeline import worker
 

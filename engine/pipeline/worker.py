@@ -398,16 +398,21 @@ class ShardWorker:
 # -- process entry -----------------------------------------------------------
 
 
-def watch_parent(pid: int, interval: float = 0.5) -> None:
-    """Exit this process as soon as `pid` is no longer our parent (it died)."""
-    def run() -> None:
-        while True:
-            if os.getppid() != pid:
-                log.error("parent process %d is gone; exiting", pid)
-                os._exit(3)
-            time.sleep(interval)
+def watch_parent(pid: int, interval: float = 0.5, on_gone: Any = None) -> threading.Thread:
+    """Exit this process (code 3) as soon as process `pid` -- the one that started us -- is
+    gone: by pid + creation time (engine/platform/process.py), not os.getppid(), which never
+    changes on Windows when the parent dies. Gone at once when pid is already gone or was
+    reused by a process younger than us. on_gone replaces the exit (tests)."""
+    from engine.platform.process import parent_ref, watch
 
-    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+    def gone() -> None:
+        log.error("parent process %d is gone; exiting", pid)
+        if on_gone is not None:
+            on_gone()
+            return
+        os._exit(3)  # StreamHandler flushed the line above; no cleanup may hang us here
+
+    return watch(parent_ref(pid), gone, interval, name="parent-watch")
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -422,7 +427,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--cache-dir", type=Path,
                    help="OpenVINO compiled-blob cache folder (GPU/NPU; on CPU the shard compiles from its IR)")
     p.add_argument("--name", default="", help="stage name for logs and errors")
-    p.add_argument("--parent-pid", type=int, help="exit when this process is no longer the parent")
+    p.add_argument("--parent-pid", type=int, help="exit when this process is gone (pid + creation time)")
     p.add_argument("--curve", type=Path, help="CURVE setup file (written by the agent): encrypt and "
                                               "authenticate the data plane (default: plaintext)")
     p.add_argument("--next-key", default="", help="CURVE public key of --next (with --curve)")

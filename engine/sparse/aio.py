@@ -14,8 +14,10 @@ reaps (the compute thread). Several batches may be in flight; completions of
 other batches met while waiting for one are credited to them.
 
 No liburing/libaio needed: the syscalls are called through libc's syscall().
-`available()` says whether this kernel/filesystem allows it; callers fall
-back to the thread pool when not.
+`available()` says whether this OS/architecture has it (Linux on x86_64 or
+aarch64 only: the one Linux-only read path); callers fall back to a thread
+pool over the portable reader (engine/platform/pread.py) when not -- and when
+FLOTILLA_PORTABLE_IO=1 forces the path Windows and macOS take.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import os
 import platform
 
 import numpy as np
+
+from engine.platform import LINUX, system
 
 _NR = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}  # setup, destroy, getevents, submit
 IOCB_CMD_PREAD = 0
@@ -49,7 +53,7 @@ def _syscall():
 
 
 def available() -> bool:
-    return platform.system() == "Linux" and platform.machine() in _NR
+    return system() == LINUX and platform.machine() in _NR
 
 
 class AIOError(OSError):

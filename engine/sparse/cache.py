@@ -9,8 +9,12 @@ RSS, only when filled); shrinking compacts the kept rows to the front and
 gives the tail back to the OS with madvise(DONTNEED), so RSS follows the
 budget at once and never needs a second copy of the cache.
 
+Portability: mmap.mmap(-1, n) is anonymous memory on every OS; POSIX adds
+MAP_PRIVATE (see _anonymous), and madvise is used only where Python has it
+(not on Windows: see _give_back for what that costs there).
+
 Bundles can be read from disk straight into their slots (reserve() hands
-out slots, O_DIRECT reads land in them, no copy): then a slot is `slot_bytes`
+out slots, unbuffered reads land in them, no copy): then a slot is `slot_bytes`
 long (the store's 4 KiB-aligned stride) and the slab is page aligned. A slot
 with a read in flight is pinned: never evicted, moved or handed out again.
 
@@ -27,6 +31,27 @@ import numpy as np
 PAGE = mmap.PAGESIZE
 
 
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """Zeroed anonymous memory of `nbytes`, touched pages only counted in RSS."""
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):  # POSIX
+        # private: a virtual reservation only, and madvise(DONTNEED) really frees pages (on a
+        # MAP_SHARED mapping -- mmap's default -- it only unmaps them: RSS drops, memory stays used)
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Windows: a pagefile-backed section. Its whole size is charged against the commit limit
+    # (RAM + pagefile) at once, though pages only take RAM when touched: a slab as big as every
+    # FFN neuron of a large model may need the pagefile to grow, or fail with MemoryError/OSError.
+    return mmap.mmap(-1, nbytes)
+
+
+def _give_back(mm: mmap.mmap, start: int, length: int) -> None:
+    """Return the pages of [start, start + length) to the OS where it can be asked to."""
+    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):  # POSIX (Python >= 3.8)
+        mm.madvise(mmap.MADV_DONTNEED, start, length)
+    # Windows has no madvise in Python: the trimmed tail stays committed and in the working set
+    # until the memory manager trims it under pressure (to the pagefile), so RSS may not follow
+    # the budget down. Output is unaffected: rows past the capacity are never read, only refilled.
+
+
 class BudgetError(ValueError):
     """A cache budget below the minimum (one layer's active set)."""
 
@@ -40,9 +65,7 @@ class NeuronCache:
         self.row_bytes = int(slot_bytes or self.payload)  # RAM per cached bundle (a slot)
         self.min_bytes = int(min_bytes)
         self.max_rows = num_layers * neurons  # more than this is never useful
-        # private anonymous: virtual reservation only, and madvise(DONTNEED) really frees pages
-        # (on a MAP_SHARED mapping -- mmap's default -- it only unmaps them: RSS drops, memory stays used)
-        self._mm = mmap.mmap(-1, self.max_rows * self.row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._mm = _anonymous(self.max_rows * self.row_bytes)
         self._slab = np.frombuffer(self._mm, dtype=np.uint8).reshape(self.max_rows, self.row_bytes)
         self.base = self._slab.ctypes.data  # page aligned (mmap)
         self._all = self._slab[:, :self.payload].view(self.dtype).reshape((self.max_rows,) + row_shape)
@@ -99,7 +122,7 @@ class NeuronCache:
         start = -(-new * self.row_bytes // PAGE) * PAGE  # give whole pages past the new end back
         end = old * self.row_bytes
         if end > start:
-            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)  # rows past `old` are unused too
+            _give_back(self._mm, start, end - start)  # rows past `old` are unused too
 
     def _forget(self, slots: np.ndarray) -> None:
         keys = self.key_of[slots]

@@ -19,12 +19,17 @@ neuron cache's slots (scatter reads, no copy); read_async() uses a buffer. Reads
 consecutive bundles; gaps read through only when the disk probe says reading
 them is cheaper than one more request) and submitted as one batch through
 Linux native AIO (aio.py: one io_submit for the whole batch, the full queue
-depth at the device, no per-read Python). Where AIO is unavailable, a thread
-pool issues os.preadv calls instead.
+depth at the device, no per-read Python). Where AIO is unavailable (not
+Linux, or FLOTILLA_PORTABLE_IO=1), a thread pool issues the reads through the
+portable reader of engine/platform/pread.py: os.preadv where it exists, a
+per-file lock + seek + readinto on Windows -- and on any OS with
+FLOTILLA_PORTABLE_IO=1 (read when the store opens), so this suite runs the
+Windows path. `io_reader` says which: "aio", "preadv", "pread" or "seek".
 
-Files are opened with O_DIRECT (config.direct) when it is really in effect;
-otherwise (a file system refusing it, tmpfs/ramfs whose pages are RAM) the
-store falls back to buffered reads with a warning, and `io_mode` /
+Files are opened unbuffered (config.direct: O_DIRECT on Linux,
+FILE_FLAG_NO_BUFFERING on Windows, F_NOCACHE on macOS) when it is really in
+effect; otherwise (a file system refusing it, tmpfs/ramfs whose pages are RAM)
+the store falls back to buffered reads with a warning, and `io_mode` /
 `io_fallback_reason` say so (benchmarks record both and refuse to report
 speedups measured through the page cache).
 """
@@ -47,7 +52,8 @@ import numpy as np
 import xxhash
 
 from engine.models.errors import ModelError
-from engine.moe.store import DirectIOReport, open_for_reads  # the one O_DIRECT probe (tmpfs, EINVAL, flag check)
+from engine.moe.store import DirectIOReport, open_for_reads  # the one unbuffered probe (tmpfs, EINVAL, flag check)
+from engine.platform import pread
 from engine.sparse import aio
 from engine.sparse.weights import FFNLayout, MappedWeights
 
@@ -66,21 +72,21 @@ class CorruptStoreError(ModelError):
 
 @dataclass(frozen=True)
 class StoreConfig:
-    threads: int = 8  # thread-pool fallback only (no native AIO): parallel preadv calls
+    threads: int = 8  # thread-pool fallback only (no native AIO): parallel reads (serialised per file by "seek")
     depth: int = 256  # AIO: reads in flight at most (the device queue; diskprobe measures the gain)
     max_gap: int = 0  # read through gaps of up to this many unneeded bundles. 0 by default: measured
     #                   here (diskprobe), one more 8-16 KiB request at depth 64 costs ~20 us while
     #                   streaming one more 16 KiB bundle costs ~18 us, so gaps are not worth reading
     max_request: int = 256 * 1024  # bytes per read at most (bigger gains nothing: probe)
-    direct: bool = True  # O_DIRECT: bypass the page cache so RAM use is only our cache
+    direct: bool = True  # unbuffered (O_DIRECT & co.): bypass the page cache so RAM use is only our cache
     verify: bool = True  # checksum (xxh3-64) every bundle read
-    aio: bool = True  # batched Linux AIO when available (else the thread pool)
+    aio: bool = True  # batched Linux AIO when available and not FLOTILLA_PORTABLE_IO (else the thread pool)
 
 
 @dataclass
 class IOStats:
     bytes_read: int = 0  # from disk, padding included
-    reads: int = 0  # preadv calls
+    reads: int = 0  # read requests (AIO iocbs or reader calls)
     bundles: int = 0  # bundles delivered
     seconds: float = 0.0  # thread pool: summed busy time; AIO: wall time from submit to completion
     verify_s: float = 0.0  # checksum checking
@@ -283,17 +289,16 @@ class DirectRead:
                     expect=(ends - starts) * st)
             with store._stats_lock:
                 store.stats.submit_s += time.perf_counter() - t0
-        else:  # thread pool: os.preadv scatters too
+        else:  # thread pool: the portable reader scatters too
             self._futures = []
             for s, e, f in zip(starts.tolist(), ends.tolist(), first.tolist()):
-                self._futures.append(store._pool.submit(self._preadv, s, e, f))
+                self._futures.append(store._pool.submit(self._scatter, s, e, f))
 
-    def _preadv(self, s: int, e: int, f: int) -> None:
+    def _scatter(self, s: int, e: int, f: int) -> None:
+        """Bundles [s, e) into their slots (iovecs f..): one scatter read; ShortReadError is an OSError."""
         st = self.store.stride
-        bufs = [memoryview((ctypes_buffer(int(a), st))) for a in self._iov["base"][f:f + e - s]]
-        got = os.preadv(self.store._fds[self.layer], bufs, s * st)
-        if got != (e - s) * st:
-            raise OSError(5, f"short read ({got} of {(e - s) * st} bytes)")
+        bufs = [ctypes_buffer(int(a), st) for a in self._iov["base"][f:f + e - s]]
+        self.store._readers[self.layer].readv_into(bufs, s * st)
 
     def wait(self) -> None:
         if self._done:
@@ -331,7 +336,8 @@ class BundleStore(DirectIOReport):
     def __init__(self, path: Path, config: StoreConfig = StoreConfig()) -> None:
         self.path = Path(path)
         self.config = config
-        self._fds: list[int] = []
+        self._readers: list[pread.Reader] = []  # one per layer file
+        self._fds: list[int] = []  # their fds, for AIO
         self._ring = None
         self._pool = None
         try:
@@ -356,7 +362,9 @@ class BundleStore(DirectIOReport):
         self.stats = IOStats()
         self._stats_lock = threading.Lock()
         self._ring_lock = threading.Lock()
-        self.io_fallback_reason: str | None = None  # why O_DIRECT is not in effect (first file that refused)
+        self.io_fallback_reason: str | None = None  # why unbuffered reads are not in effect (first file that refused)
+        self.io_unbuffered = pread.unbuffered_mode()
+        self.portable = pread.portable_forced()  # FLOTILLA_PORTABLE_IO: the path Windows takes (no AIO, "seek")
         for layer in range(self.layout.num_layers):
             f = self.file(layer)
             want = self.layout.neurons * self.stride
@@ -364,26 +372,29 @@ class BundleStore(DirectIOReport):
                 self.close()
                 raise CorruptStoreError(f"{f} is missing or has the wrong size (want {want} bytes); "
                                         "delete the store folder to rebuild it")
-            self._fds.append(self._open(f))
+            self._readers.append(self._open(f))
+            self._fds.append(self._readers[-1].fd)
         if self.io_fallback_reason:
-            log.warning("O_DIRECT is not in effect for the neuron store %s (%s); using buffered reads, so "
-                        "figures include the page cache", self.path, self.io_fallback_reason)
-        if config.aio and aio.available():
+            log.warning("%s is not in effect for the neuron store %s (%s); using buffered reads, so "
+                        "figures include the page cache", pread.LABELS[self.io_unbuffered], self.path,
+                        self.io_fallback_reason)
+        if config.aio and not self.portable and aio.available():
             try:
                 self._ring = aio.Ring(config.depth)
             except OSError:
                 self._ring = None
         if self._ring is None:
             self._pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="flotilla-sparse-io")
+        self.io_reader = "aio" if self._ring is not None else self._readers[0].method if self._readers else "preadv"
 
     def file(self, layer: int) -> Path:
         return self.path / f"layer-{layer:03d}.bin"
 
-    def _open(self, f: Path) -> int:
-        fd, reason = open_for_reads(f, self.config.direct)
-        if reason and self.io_fallback_reason is None:
-            self.io_fallback_reason = reason
-        return fd
+    def _open(self, f: Path) -> pread.Reader:
+        reader = open_for_reads(f, self.config.direct, portable=self.portable)
+        if reader.fallback_reason and self.io_fallback_reason is None:
+            self.io_fallback_reason = reader.fallback_reason
+        return reader
 
     @property
     def bundle_floats(self) -> int:
@@ -431,13 +442,14 @@ class BundleStore(DirectIOReport):
             self.stats.verify_s += time.perf_counter() - t0
 
     def _read_range(self, layer: int, start: int, end: int) -> np.ndarray:
-        """Thread-pool path: one preadv of bundles [start, end)."""
+        """Thread-pool path: one read of bundles [start, end) through the layer's reader."""
         t0 = time.perf_counter()
         n = (end - start) * self.stride
-        buf = aio.aligned_empty(n)  # O_DIRECT wants an aligned buffer
-        got = os.preadv(self._fds[layer], [memoryview(buf)], start * self.stride)
-        if got != n:
-            raise CorruptStoreError(f"{self.file(layer)}: short read at bundle {start} ({got} of {n} bytes)")
+        buf = aio.aligned_empty(n)  # unbuffered reads want an aligned buffer
+        try:
+            self._readers[layer].readinto(buf, start * self.stride)
+        except pread.ShortReadError as e:
+            raise CorruptStoreError(f"{self.file(layer)}: short read at bundle {start} ({e.got} of {n} bytes)") from None
         block = buf.reshape(end - start, self.stride)[:, :self.payload]  # [k, payload]
         self._verify(layer, np.arange(start, end), block)
         out = block.view(self.np_dtype).reshape((end - start,) + self.row_shape)  # [k, P, h]
@@ -452,7 +464,7 @@ class BundleStore(DirectIOReport):
         """Start reading the bundles of sorted unique `ids` straight into RAM slots at
         `addrs` (each `stride` bytes, 4 KiB aligned: the neuron cache's slots); `rows`
         [k, payload bytes] views them for the checksum check. Runs of consecutive ids
-        become one scatter read (preadv); gaps are read into a scratch page."""
+        become one scatter read (preadv / AIO); gaps are read into a scratch page."""
         return DirectRead(self, layer, np.asarray(ids, dtype=np.int64), np.asarray(addrs, dtype=np.uint64), rows)
 
     def verify_all(self) -> None:
@@ -471,6 +483,6 @@ class BundleStore(DirectIOReport):
             with self._ring_lock:
                 ring.close()
             self._ring = None
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        for reader in getattr(self, "_readers", []):
+            reader.close()
+        self._readers, self._fds = [], []

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Flotilla for macOS: Flotilla.app (PyInstaller BUNDLE, installers/flotilla.spec)
+# Flotilla for macOS: Flotilla.app (PyInstaller BUNDLE, installers/flotilla.spec, with the
+# agent moved into its helper bundle Contents/Helpers/Flotilla Agent.app by installers/build.py)
 # -> Flotilla-<version>-<arch>.dmg with the usual "drag to Applications" window.
 #
 #   python -m installers.build --bundle-only     # builds build/dist-cache/<key>/bundle/Flotilla.app
@@ -19,6 +20,9 @@ version="$(cd "$repo" && python3 -m installers.project version)"   # from pyproj
 arch="$(uname -m)"
 mkdir -p "$out"
 dmg="$out/Flotilla-${version}-${arch}.dmg"
+
+# The agent must be in its own LSUIElement helper bundle (installers/macapp.py, run by installers/build.py).
+(cd "$repo" && python3 -m installers.macapp check "$app")
 
 # The bundle's version must be the project's (Info.plist is written by the spec).
 plist_version="$(/usr/libexec/PlistBuddy -c 'Print :CFBundleShortVersionString' "$app/Contents/Info.plist")"

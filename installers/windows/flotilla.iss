@@ -12,8 +12,9 @@
 ; entries (Flotilla, Flotilla Agent), optionally a desktop icon, optionally the
 ; agent at every login (all users), Windows Firewall rules for the agent and the
 ; app on private/domain networks (mDNS UDP 5353, the agent's TCP 47600-47602 and
-; the shard workers' data-plane ports). Uninstall removes all of it, and asks
-; whether to remove the user's Flotilla settings, keys and model cache too.
+; the shard workers' data-plane ports). Uninstall removes all of it, and asks,
+; one folder at a time, whether to remove the user's chat history, pairing keys,
+; settings, shards and model cache too (each answer removes exactly that folder).
 
 #ifndef AppVersion
   #error Pass /DAppVersion=... (from pyproject.toml: python -m installers.project version)
@@ -40,6 +41,14 @@
 #define MdnsPort "5353"
 ; = installers/autostart.py WIN_RUN_VALUE
 #define RunValue "FlotillaAgent"
+; The user's folders under %LOCALAPPDATA%\flotilla, = engine/paths.py (KINDS) and the model
+; cache (platformdirs' user cache folder, engine/models/demo.py); a test checks they agree.
+#define UserRoot "{localappdata}\flotilla"
+#define HistoryDir "history"
+#define KeysDir "keys"
+#define SettingsDir "settings"
+#define DataDir "data"
+#define CacheDir "Cache"
 
 [Setup]
 AppId={{6C1B2F5E-3A57-4F0D-9E51-8D7A4C2B9F31}
@@ -107,6 +116,9 @@ Filename: "{app}\{#AgentExe}"; Description: "Start the Flotilla agent now"; Flag
 [UninstallRun]
 Filename: "{sys}\taskkill.exe"; Parameters: "/F /T /IM {#AgentExe}"; Flags: runhidden; RunOnceId: "StopAgent"
 Filename: "{sys}\taskkill.exe"; Parameters: "/F /T /IM {#AppExe}"; Flags: runhidden; RunOnceId: "StopApp"
+; Earlier versions kept every file flat in {#UserRoot}: move them into their folders first, so
+; that each question below covers them (python -m engine.paths migrate; never deletes a file).
+Filename: "{app}\{#CliExe}"; Parameters: "-m engine.paths migrate"; Flags: runhidden; RunOnceId: "MigrateFolders"
 Filename: "{sys}\netsh.exe"; Parameters: "advfirewall firewall delete rule name=""Flotilla agent (TCP)"""; Flags: runhidden; RunOnceId: "FwAgentTcp"
 Filename: "{sys}\netsh.exe"; Parameters: "advfirewall firewall delete rule name=""Flotilla agent (mDNS)"""; Flags: runhidden; RunOnceId: "FwAgentMdns"
 Filename: "{sys}\netsh.exe"; Parameters: "advfirewall firewall delete rule name=""Flotilla app (TCP)"""; Flags: runhidden; RunOnceId: "FwAppTcp"
@@ -120,16 +132,34 @@ Filename: "{sys}\netsh.exe"; Parameters: "advfirewall firewall delete rule name=
 Type: filesandordirs; Name: "{app}"
 
 [Code]
-// Uninstall: the per-user autostart the app may have set, and (if asked) the
-// user's settings, keys, shards and model cache (%LOCALAPPDATA%\flotilla).
+// Uninstall: the per-user autostart the app may have set, then one question per folder of the
+// user's (engine/paths.py): each "yes" removes exactly that folder and nothing else, so keeping
+// the chat history while removing the settings (or the other way round) works. The root goes
+// only once it is empty. A silent uninstall removes none of them.
+procedure RemoveIfWanted(const Question, Sub: String);
+var
+  Folder: String;
+begin
+  Folder := ExpandConstant('{#UserRoot}\' + Sub);
+  if DirExists(Folder) then
+    if MsgBox(Question + #13#10#13#10 + Folder, mbConfirmation, MB_YESNO or MB_DEFBUTTON2) = IDYES then
+      DelTree(Folder, True, True, True);
+end;
+
 procedure CurUninstallStepChanged(CurUninstallStep: TUninstallStep);
 begin
   if CurUninstallStep = usPostUninstall then
   begin
     RegDeleteValue(HKEY_CURRENT_USER, 'Software\Microsoft\Windows\CurrentVersion\Run', '{#RunValue}');
-    if DirExists(ExpandConstant('{localappdata}\flotilla')) and (not UninstallSilent) then
-      if MsgBox('Also remove your Flotilla settings, pairing keys and downloaded/exported models (' +
-                ExpandConstant('{localappdata}\flotilla') + ')?', mbConfirmation, MB_YESNO or MB_DEFBUTTON2) = IDYES then
-        DelTree(ExpandConstant('{localappdata}\flotilla'), True, True, True);
+    if not UninstallSilent then
+    begin
+      RemoveIfWanted('Also remove your Flotilla chat history?', '{#HistoryDir}');
+      RemoveIfWanted('Also remove this PC''s Flotilla pairing keys and sharing policy? ' +
+                     'PCs paired with it would have to pair again.', '{#KeysDir}');
+      RemoveIfWanted('Also remove your Flotilla app settings?', '{#SettingsDir}');
+      RemoveIfWanted('Also remove the shards and logs this PC kept for the fleet?', '{#DataDir}');
+      RemoveIfWanted('Also remove downloaded and exported models (the model cache)?', '{#CacheDir}');
+      RemoveDir(ExpandConstant('{#UserRoot}'));  // only succeeds when nothing is left in it
+    end;
   end;
 end;

@@ -39,6 +39,11 @@ def test_loop_thread_runs_coroutines_for_sync_callers():
         assert t.call(where(), timeout=5) == "test-loop"
         assert isinstance(t.loop, asyncio.SelectorEventLoop)
 
+        async def on_its_thread() -> bool:
+            return t.on_loop_thread()
+
+        assert t.call(on_its_thread(), timeout=5) and not t.on_loop_thread()  # where waiting would deadlock
+
         async def boom() -> None:
             raise ValueError("from the loop")
 

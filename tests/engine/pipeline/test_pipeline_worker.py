@@ -274,3 +274,27 @@ def test_worker_exits_when_its_parent_dies(model, tmp_path):
         time.sleep(0.1)
     os.kill(pid, 9)
     pytest.fail("the worker outlived its parent")
+
+
+def test_watch_parent_follows_a_process_by_pid_and_creation_time_not_getppid():
+    # On Windows a worker's os.getppid() never changes when its parent dies, so the watch may not
+    # rely on it. Here the watched process is older than the watcher but not its OS parent:
+    # the watcher must wait for it, then exit (code 3) once it is gone.
+    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    watcher_code = ("import sys, time; from engine.pipeline.worker import watch_parent; "
+                    "watch_parent(int(sys.argv[1]), interval=0.05); print('watching', flush=True); time.sleep(120)")
+    watcher = subprocess.Popen([sys.executable, "-c", watcher_code, str(watched.pid)], cwd=REPO,
+                               env=dict(os.environ, PYTHONPATH=REPO), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert watcher.stdout.readline().strip() == "watching"
+        time.sleep(1.0)
+        assert watcher.poll() is None, "the watcher exited while the watched process was alive"
+        watched.kill()  # not reaped yet: a zombie is gone too
+        assert watcher.wait(10) == 3
+        assert f"parent process {watched.pid} is gone" in watcher.stderr.read()
+    finally:
+        for p in (watched, watcher):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -1,4 +1,7 @@
-"""The neuron cache: LRU, resize keeps rows valid, budget minimum refused, RSS follows."""
+"""The neuron cache: LRU, resize keeps rows valid, budget minimum refused, RSS follows;
+and the same on what Windows offers (mmap(-1, n), no madvise)."""
+
+import mmap
 
 import numpy as np
 import pytest
@@ -57,6 +60,33 @@ def test_rss_follows_the_cache_budget():
     assert process_rss() < full - 0.7 * big
     # the pages are really given back (a private mapping), not just unmapped: they read as zeros now
     assert not c._slab[c.capacity + 1:4096].any()
+    c.close()
+
+
+def test_cache_works_without_map_private_and_madvise(monkeypatch):
+    """Windows' mmap has neither: the slab is mmap(-1, n) and a shrink gives nothing back,
+    but kept rows stay valid and the freed tail is refilled correctly after growing."""
+    monkeypatch.delattr(mmap, "MAP_PRIVATE")
+    monkeypatch.delattr(mmap, "MADV_DONTNEED")
+    shape = (2, 1024)  # 8 KiB rows: a shrink spans whole pages, so the give-back step runs
+    row = 2 * 1024 * 4
+    c = NeuronCache(2, 50, shape, budget_bytes=20 * row, min_bytes=4 * row)
+    for t in range(4):
+        c.tick += 1
+        ids = np.arange(t * 10, t * 10 + 10)
+        c.insert(t % 2, ids, rows_for(t % 2, ids, shape))
+    c.resize(8 * row)
+    assert c.capacity == 8 and c.used_rows == 8
+    for s, k in enumerate(c.key_of[:8]):
+        layer, n = divmod(int(k), 50)
+        assert (c._all[s] == layer * 1000 + n).all()
+    c.resize(20 * row)
+    c.tick += 1
+    ids = np.arange(40, 50)
+    c.insert(0, ids, rows_for(0, ids, shape))
+    slots = c.lookup(0, ids)
+    assert (slots >= 0).all()
+    np.testing.assert_array_equal(c.rows(slots)[:, 1, 5], np.arange(40, 50))
     c.close()
 
 

@@ -90,13 +90,18 @@ def test_bf16_store_keeps_the_checkpoint_bits_and_matches_the_dense_path(wide_mo
         assert out == ref
 
 
-@pytest.mark.parametrize("use_aio", [True, False])  # False: the thread-pool fallback (os.preadv scatter)
-def test_scatter_reads_match_the_file(tmp_path, wide_model, use_aio):
+@pytest.mark.parametrize("use_aio,portable", [(True, False), (False, False), (True, True)])
+def test_scatter_reads_match_the_file(tmp_path, wide_model, use_aio, portable, monkeypatch):
+    # (False, False): the thread-pool fallback (os.preadv scatter); portable: FLOTILLA_PORTABLE_IO=1
+    # wins over aio=True -- the thread pool over lock + seek + readinto, as on Windows
+    if portable:
+        monkeypatch.setenv("FLOTILLA_PORTABLE_IO", "1")
     layout, w = ffn_layout(wide_model), MappedWeights(wide_model)
     build_store(w, layout, tmp_path / "s", "exact")
     for gap in (0, 2):
         store = BundleStore(tmp_path / "s", StoreConfig(max_gap=gap, aio=use_aio))
-        assert (store._ring is not None) == use_aio
+        assert (store._ring is not None) == (use_aio and not portable)
+        assert store.io_reader == ("seek" if portable else "aio" if use_aio else "preadv")
         try:
             ids = np.array([0, 1, 2, 5, 9, 10, 500, 1023])
             from engine.sparse import aio
