@@ -18,8 +18,9 @@ own capped cgroup-v1 memory group, launched the way a user launches it (engine/f
    decode tok/s; the token ids of the first stream are kept (tests compare them).
 5. Every group is sampled all along: per process VmHWM and RssAnon peaks (agent and worker
    apart), the group's max_usage, failcnt, OOM kills.
-Disk: with free_disk_as_sent, the controller's shard folders go once they are packed and its
-bundles once every agent has its shard (an 8B fp16 run would otherwise hold the model 5 times).
+Disk: the controller sends each bundle straight from its shard folder (no archive written), and
+with free_disk_as_sent the shard folders go once every agent has its shard: at worst the disk
+holds the model twice (the controller's shards + the agents' copies), not 3-5 times.
 Everything started is stopped and every file written (bundles, agents' shards) removed.
 """
 
@@ -229,12 +230,13 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
             if message.startswith("exporting"):
                 raise LauncherWouldExport(f"the launcher found no cached shard ({message}): it would export "
                                           "in the controller, outside any cap")
-            if free_disk_as_sent and message.startswith("sending shard"):
-                for st in session.stages:  # packed: the bundle is all the launch needs now
+            if free_disk_as_sent and message.startswith("starting stage"):
+                # Every agent has its shard: the controller's copies are not needed any more
+                # (the bundles were read on the fly from these folders while they were sent).
+                for st in session.stages:
                     if st.shard_path is not None and st.shard_path.exists():
                         shutil.rmtree(st.shard_path, ignore_errors=True)
-            if free_disk_as_sent and message.startswith("starting stage"):
-                _drop_bundles(session.stages)  # every agent has its shard: the bundles are not needed
+                _drop_bundles(session.stages)
 
         cfg = LaunchConfig(model=str(model_path), stages=2, exact=exact, weights=precision,
                            context_length=context_length, max_concurrent=max(streams),
@@ -291,9 +293,12 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
 
 def _drop_bundles(stages: Sequence[Any]) -> None:
     for st in stages:
-        if st.bundle is not None:
-            for p in (Path(st.bundle), Path(st.bundle).with_suffix(".sha256")):  # cached_pack's pair
-                p.unlink(missing_ok=True)
+        if st.bundle is not None:  # cached_bundle keeps only the hash: <cache>/bundles/<shard key>.sha256
+            from engine.fleet.bundle import BUNDLE_SUFFIX
+            from engine.models.demo import cache_root
+
+            for suffix in (".sha256", BUNDLE_SUFFIX):
+                (cache_root() / "bundles" / f"{st.bundle.folder.name}{suffix}").unlink(missing_ok=True)
 
 
 def _keep_logs(root: Path, dest: Path) -> None:

@@ -51,7 +51,7 @@ DEFAULT_EXPORT_CAP = 0.6  # x the bf16 checkpoint
 DEFAULT_WORKER_CAP = 0.75  # x the whole model at the run's precision
 # Shard files per checkpoint byte (bf16), roughly, to check the disk before a precision starts.
 SHARD_BYTES_PER_CHECKPOINT_BYTE = {"f32": 2.0, "bf16": 1.0, "fp16": 1.0, "int8": 0.5, "int4": 0.32}
-DISK_FACTOR = 2.2  # shard + bundle, then bundle + an agent's copy, then the agent's tar + unpacked folder
+DISK_FACTOR = 2.2  # the controller's shards + the agents' copies (bundles are sent from the folders), + 10 %
 DISK_SLACK = 1 << 30
 MIN_DISTINCT_ARGMAX = 8  # a reference with fewer different greedy tokens over 256 positions is degenerate
 SHAPE_KEYS = {"hidden": "hidden_size", "intermediate": "intermediate_size", "layers": "num_layers",

@@ -6,7 +6,9 @@ with zeroed owners and times: the same shard always gives the same bytes, so
 the same sha256, and an agent that has it never receives it again. (IR
 weights do not compress much; not compressing keeps packing at disk speed.)
 
-The controller packs once into its cache (`<bundle>.tar` + `<bundle>.sha256`).
+The controller never writes the archive either: it sends a BundleView
+(bundle_view.py), the tar's bytes made on the fly from the shard folder, and
+keeps only its sha256 in its cache (`<shard key>.sha256`).
 The agent never stores the archive: `StreamUnpacker` splits the bytes as they
 arrive into member data (written straight into the shard's staging folder)
 and structure (headers, pax records, padding, end blocks: a few KB, kept in a
@@ -20,13 +22,16 @@ before any byte of that member is written.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import re
 import shutil
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.fleet.bundle_view import BundleView
 
 BUNDLE_SUFFIX = ".tar"
 MAX_MEMBERS = 64  # a shard is shard.xml/.bin/.json; leave room, refuse floods
@@ -41,25 +46,22 @@ class BundleError(ValueError):
 
 
 def pack(folder: Path, out: Path) -> tuple[Path, str]:
-    """Pack folder's regular files into out (atomically); (out, sha256)."""
-    folder = Path(folder)
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
-    if not files:
-        raise BundleError(f"{folder} holds no files")
+    """Write folder's bundle into out (atomically); (out, sha256). The controller does not
+    need this (it sends a BundleView straight from the folder); tests and tools do."""
+    from engine.fleet.bundle_view import BundleView, BundleViewError
+
+    try:
+        view = BundleView(folder)
+    except BundleViewError as e:
+        raise BundleError(str(e)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     h = hashlib.sha256()
     try:
-        with os.fdopen(fd, "wb") as raw:
-            writer = _HashingWriter(raw, h)
-            with tarfile.open(fileobj=writer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for p in files:
-                    info = tarfile.TarInfo(p.name)
-                    info.size = p.stat().st_size
-                    info.mode, info.mtime, info.uid, info.gid = 0o644, 0, 0, 0
-                    info.uname = info.gname = ""
-                    with open(p, "rb") as f:
-                        tar.addfile(info, f)
+        with os.fdopen(fd, "wb") as raw, view.open() as src:
+            for block in iter(lambda: src.read(4 << 20), b""):
+                h.update(block)
+                raw.write(block)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -67,20 +69,36 @@ def pack(folder: Path, out: Path) -> tuple[Path, str]:
     return out, h.hexdigest()
 
 
-def cached_pack(folder: Path, cache: Path) -> tuple[Path, str]:
-    """The bundle of folder in cache (named after the folder, which is the
-    shard's content key), packing it on the first call; (path, sha256)."""
+def cached_bundle(folder: Path, cache: Path) -> tuple[BundleView, str]:
+    """The bundle of folder as a BundleView, and its sha256 -- hashed on the first call
+    and kept in cache/<folder name>.sha256 (the folder's name is the shard's content key;
+    the hash is redone if a file in it is newer). No archive is written: the controller's
+    disk holds the shard once. An archive an earlier version packed there is removed."""
+    from engine.fleet.bundle_view import BundleView, BundleViewError
+
     folder = Path(folder)
-    out = Path(cache) / f"{folder.name}{BUNDLE_SUFFIX}"
-    sha_file = out.with_suffix(".sha256")
+    try:
+        view = BundleView(folder)
+    except BundleViewError as e:
+        raise BundleError(str(e)) from None
+    cache = Path(cache)
+    (cache / f"{folder.name}{BUNDLE_SUFFIX}").unlink(missing_ok=True)  # <= v0.1's packed copy: disk back
+    sha_file = cache / f"{folder.name}.sha256"
     newest = max(p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file())
-    if out.exists() and sha_file.exists() and out.stat().st_mtime_ns >= newest:
-        sha = sha_file.read_text().strip()
-        if re.fullmatch(r"[0-9a-f]{64}", sha):
-            return out, sha
-    out, sha = pack(folder, out)
-    sha_file.write_text(sha + "\n")
-    return out, sha
+    try:
+        if sha_file.stat().st_mtime_ns >= newest:
+            sha = sha_file.read_text().strip()
+            if re.fullmatch(r"[0-9a-f]{64}", sha):
+                return view, sha
+    except OSError:
+        pass
+    sha = view.sha256()
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{sha_file.name}.", dir=cache)
+    with os.fdopen(fd, "w") as f:
+        f.write(sha + "\n")
+    os.replace(tmp, sha_file)
+    return view, sha
 
 
 def looks_like_bundle(head: bytes) -> bool:
@@ -263,22 +281,3 @@ def unpack(bundle: Path, target: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through it."""
-
-    def __init__(self, raw, h) -> None:
-        self.raw, self.h, self.pos = raw, h, 0
-
-    def writable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def write(self, b) -> int:
-        self.h.update(b)
-        n = self.raw.write(b)
-        self.pos += n
-        return n

@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from engine.fleet.bundle_view import BundleView
 from engine.fleet.security import KeyPair, curve_client, pairing_code
 from engine.protocol.codec import decode, encode
 from engine.protocol.control import (AgentEvent, ChunkReply, ChunkRequest, LoadReply, LoadRequest,
@@ -204,18 +205,23 @@ class AgentClient:
     async def prepare(self, shard_id: str, sha: str, size: int) -> PrepareReply:
         return await self.chan.request(PrepareRequest(_rid(), shard_id, sha, size), PrepareReply)
 
-    async def send_shard(self, path: Path, shard_id: str, *, sha: str | None = None,
+    async def send_shard(self, source: Path | BundleView, shard_id: str, *, sha: str | None = None,
                          chunk: int = DEFAULT_CHUNK, progress: Callable[[int, int], None] | None = None,
                          max_chunks: int | None = None) -> ChunkReply | PrepareReply:
-        """Send a shard file unless the agent has it; resumes a partial one.
+        """Send a shard unless the agent has it; resumes a partial one. source: a file, or
+        a BundleView (a shard folder's bundle made on the fly, never written to disk).
         max_chunks stops early (tests of interrupted transfers)."""
-        sha = sha or await asyncio.to_thread(sha256_file, path)
-        size = path.stat().st_size
+        if isinstance(source, BundleView):
+            sha = sha or await asyncio.to_thread(source.sha256)
+            size, opener = source.size, source.open
+        else:
+            sha = sha or await asyncio.to_thread(sha256_file, source)
+            size, opener = source.stat().st_size, lambda: open(source, "rb")
         prep = await self.prepare(shard_id, sha, size)
         if prep.cached:
             return prep
         offset, sent, last = prep.have_bytes, 0, prep
-        with open(path, "rb") as f:
+        with opener() as f:
             f.seek(offset)
             while offset < size:
                 if max_chunks is not None and sent >= max_chunks:

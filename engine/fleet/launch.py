@@ -23,8 +23,9 @@ Steps, each failing with a clear message before the next starts:
    plan is reported (progress lines "plan: ...") before anything is exported.
    Peers announcing the same address talk over loopback in the cost model. A
    plan that does not fit raises PlanError here: nothing was sent or started.
-3. shards: each stage's range is exported (cache) at the plan's precision, packed into one bundle
-   (engine/fleet/bundle.py) and sent to its agent, resumable and hashed
+3. shards: each stage's range is exported (cache) at the plan's precision and sent to its agent
+   as one bundle made on the fly from the shard folder (engine/fleet/bundle_view.py: no archive
+   is written), resumable and hashed
    (skipped when the agent has it), all agents in parallel.
 4. load: each agent starts a real shard worker (engine/pipeline/worker.py)
    with CURVE on its data socket, admitting this controller and the other
@@ -76,6 +77,7 @@ from typing import Any
 
 from engine.aio import LoopThread
 from engine.platform import process
+from engine.fleet.bundle_view import BundleView
 from engine.fleet.client import AgentClient, AgentRefused, FleetError, NotPaired, async_pair
 from engine.fleet.curve_data import CurveEnd
 from engine.fleet.discovery import Combined, Discovery, ManualPeers, Peer
@@ -129,7 +131,7 @@ class _Stage:
     device: str
     start: int
     end: int
-    bundle: Path | None = None  # packed shard
+    bundle: BundleView | None = None  # the shard folder's bundle, read on the fly
     sha256: str = ""
     data_port: int = 0
     pid: int | None = None
@@ -444,7 +446,7 @@ class FleetSession:
     def _export(self, model_path: Path, total: int) -> None:
         import openvino as ov
 
-        from engine.fleet.bundle import cached_pack
+        from engine.fleet.bundle import cached_bundle
         from engine.models.demo import cache_root
         from engine.pipeline.export import MANIFEST, ensure_shard, model_fingerprint, shard_cache_key, shard_cache_root
 
@@ -455,7 +457,7 @@ class FleetSession:
             self.progress(f"{'packing' if cached else 'exporting'} shard {st.index} (layers {st.start}–{st.end}, "
                           f"{self.precision})", st.index / len(self.stages))
             info = ensure_shard(model_path, st.start, st.end, num_layers_total=total, precision=self.precision)
-            st.bundle, st.sha256 = cached_pack(Path(info.path), cache_root() / "bundles")
+            st.bundle, st.sha256 = cached_bundle(Path(info.path), cache_root() / "bundles")
             st.shard_path = Path(info.path)
 
     async def _send_all(self) -> None:
@@ -472,14 +474,14 @@ class FleetSession:
     async def _room_for(self, st: _Stage) -> str:
         """"" when st's agent has its shard or room for it, else why not (one line)."""
         try:
-            await self._clients[st.peer.node_id].prepare(self._shard_id(st), st.sha256, st.bundle.stat().st_size)
+            await self._clients[st.peer.node_id].prepare(self._shard_id(st), st.sha256, st.bundle.size)
         except AgentRefused as e:
             return _refused(st, e)
         return ""
 
     async def _send_one(self, st: _Stage) -> None:
         client = self._clients[st.peer.node_id]
-        size = st.bundle.stat().st_size
+        size = st.bundle.size
         name = st.peer.info.hostname
 
         def shown(have: int, total: int) -> None:

@@ -48,8 +48,10 @@ def test_bundle_is_deterministic_and_round_trips(tmp_path):
     out = bundle.unpack(a, tmp_path / "x.d")
     assert sorted(p.name for p in out.iterdir()) == ["shard.bin", "shard.json", "shard.xml"]
     assert (out / "shard.bin").read_bytes() == (d / "shard.bin").read_bytes()
-    again, sha = bundle.cached_pack(d, tmp_path / "cache")
-    assert sha == sha_a and bundle.cached_pack(d, tmp_path / "cache") == (again, sha)
+    view, sha = bundle.cached_bundle(d, tmp_path / "cache")
+    assert sha == sha_a and view.size == a.stat().st_size
+    assert not list((tmp_path / "cache").glob("*.tar"))  # no archive on the controller's disk
+    assert bundle.cached_bundle(d, tmp_path / "cache")[1] == sha  # the kept hash
 
 
 def _evil_tar(path: Path, member: tarfile.TarInfo, data: bytes = b"x") -> Path:

@@ -40,12 +40,12 @@ def _wait(cond, timeout: float) -> bool:
 
 def test_a_killed_agents_pipeline_worker_exits_by_its_parent_watch(tmp_path, demo_dir):
     pytest.importorskip("openvino")
-    from engine.fleet.bundle import cached_pack
+    from engine.fleet.bundle import cached_bundle
     from engine.models.demo import cache_root
     from engine.pipeline.export import ensure_shard
 
     info = ensure_shard(demo_dir("demo"), 0, 8, num_layers_total=8)
-    bundle, sha = cached_pack(Path(info.path), cache_root() / "bundles")
+    bundle, sha = cached_bundle(Path(info.path), cache_root() / "bundles")
     agent = AgentProc(tmp_path, real_worker=True).start()  # the agent's own default: engine.pipeline.worker
     try:
         async def load() -> int:
