@@ -1016,10 +1016,14 @@ class AgentHandle:
         # stdin is the agent's lifeline: stop() closes it and the agent stops cleanly (the same on
         # every OS: on Windows terminate() is TerminateProcess, which runs no cleanup); it also
         # ends when this process dies, so the agent never outlives its tray.
-        proc = subprocess.Popen([sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v",
-                                 "--stdin-lifeline", *args],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, env=env)
+        from engine.platform import process
+
+        # hidden: no console window on Windows; its own group, so a Ctrl-C meant for the tray's
+        # terminal does not skip the agent's cleanup (the lifeline stops it in order instead).
+        proc = process.spawn([sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v",
+                              "--stdin-lifeline", *args], hidden=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env=env)
         lines: collections.deque[str] = collections.deque(maxlen=200)
         up = threading.Event()
         ports: list[int] = []

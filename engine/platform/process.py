@@ -48,6 +48,9 @@ BORN_SLACK_S = 1.0  # a "parent" created this much after its child is a reused p
 # ---------------------------------------------------------------- starting
 
 
+CREATE_NO_WINDOW = 0x08000000  # winbase.h: a console process without a console window
+
+
 def group_kwargs() -> dict[str, Any]:
     """Popen keyword arguments that start a child in its own process group on this OS."""
     if system() == WINDOWS:
@@ -55,11 +58,16 @@ def group_kwargs() -> dict[str, Any]:
     return {"start_new_session": True}
 
 
-def spawn(argv: Sequence[str], *, die_with_us: bool = False, **popen: Any) -> subprocess.Popen:
+def spawn(argv: Sequence[str], *, die_with_us: bool = False, hidden: bool = False,
+          **popen: Any) -> subprocess.Popen:
     """subprocess.Popen(argv, **popen) in its own process group (group_kwargs()).
     die_with_us: on Windows the child joins this process's kill-on-close Job object, so it
-    ends when we do however we end (see the module docstring); elsewhere a no-op."""
+    ends when we do however we end (see the module docstring); elsewhere a no-op.
+    hidden: on Windows CREATE_NO_WINDOW -- a console child of a windowless parent (the tray,
+    started as pythonw) gets a console of its own but no window popping up; elsewhere a no-op."""
     kwargs = dict(popen)
+    if hidden and system() == WINDOWS:
+        kwargs["creationflags"] = kwargs.get("creationflags", 0) | CREATE_NO_WINDOW
     for key, value in group_kwargs().items():
         kwargs[key] = kwargs.get(key, 0) | value if key == "creationflags" else value
     proc = subprocess.Popen(list(argv), **kwargs)

@@ -25,8 +25,23 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 PREFIX = "fltlab-"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def lab_env(config: Path) -> dict[str, str]:
+    """The environment of a process in a lab namespace: this checkout, its own config folder,
+    one fake CPU device, and the data folder under the config (never the user's)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO)
+    env["FLOTILLA_CONFIG"] = str(config)
+    env["FLOTILLA_FLEET_DEVICES"] = "CPU=Lab CPU"
+    env.pop("FLOTILLA_DATA", None)
+    return env
 
 
 def _sh(*argv: str) -> None:

@@ -32,7 +32,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tests.e2e.fleet_netns_lab import NetnsLab, available, reap_stale  # noqa: E402
+from tests.e2e.fleet_netns_lab import NetnsLab, available, lab_env, reap_stale  # noqa: E402
 
 WHY_NOT = available()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -40,12 +40,6 @@ PORT = 47600
 DIAL_TIMEOUT_S = 1.0
 
 
-def _env(config: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO)
-    env["FLOTILLA_CONFIG"] = str(config)
-    env["FLOTILLA_FLEET_DEVICES"] = "CPU=Lab CPU"
-    return env
 
 
 def _ip(ns: str, *args: str) -> None:
@@ -81,7 +75,7 @@ def test_controller_reaches_the_agent_through_the_address_that_answers(tmp_path)
         idle.write_text(f"{time.time() - 3600}\n")
         agent = lab.spawn(0, [sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v",
                               f"--port={PORT}", f"--idle-source=file:{idle}", "--mdns-ttl=10"],
-                          _env(tmp_path / "agent"))
+                          lab_env(tmp_path / "agent"))
         line = agent.wait_for(lambda: [x for x in agent.err if " up: control " in x[1]], 30)
         assert line, agent.err[-10:]
         node = line[0][1].split(" agent ")[1].split()[0]
@@ -90,7 +84,7 @@ def test_controller_reaches_the_agent_through_the_address_that_answers(tmp_path)
         assert sorted(listed) == sorted([decoy, real]), f"the agent announced {listed}"  # no docker0, no eth2
 
         ctl = lab.spawn(1, [sys.executable, __file__, "controller", f"--interface={lab.ip(1)}",
-                            f"--node={node}", "--seconds=25"], _env(tmp_path / "ctl"))
+                            f"--node={node}", "--seconds=25"], lab_env(tmp_path / "ctl"))
         found = ctl.wait_for(lambda: [e for e in ctl.events if e.get("event") == "found"], 30)
         assert found, f"controller: {ctl.events} {ctl.err[-10:]}"
         peer = found[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.fleet_netns_lab import NetnsLab, available, reap_stale
+from tests.e2e.fleet_netns_lab import NetnsLab, available, lab_env, reap_stale
 
 REPO = Path(__file__).resolve().parents[2]
 WHY_NOT = available()
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 PORT = 47600
 
 
-def _env(config: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO)
-    env["FLOTILLA_CONFIG"] = str(config)
-    env["FLOTILLA_FLEET_DEVICES"] = "CPU=Lab CPU"
-    return env
 
 
 def _mdns_ids(browser, kind="added") -> dict[str, float]:
@@ -47,7 +41,7 @@ def test_agents_in_namespaces_discover_each_other(tmp_path):
             manual = {0: [f"--manual={lab.ip(3)}:{PORT}"], 3: [f"--manual={lab.ip(0)}:{PORT}"]}.get(i, [])
             browsers[i] = lab.spawn(i, [sys.executable, "-m", "engine.fleet.mdns", "browse",
                                         f"--interface={lab.ip(i)}", "--poll=0.5", *manual],
-                                    _env(tmp_path / f"b{i}"))
+                                    lab_env(tmp_path / f"b{i}"))
         for i in range(4):
             assert browsers[i].wait_for(lambda i=i: browsers[i].events, 20), browsers[i].err[-5:]
         for i in range(4):
@@ -56,7 +50,7 @@ def test_agents_in_namespaces_discover_each_other(tmp_path):
             agents[i] = lab.spawn(i, [sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v",
                                       f"--bind={lab.ip(i)}", f"--port={PORT}", f"--interface={lab.ip(i)}",
                                       f"--idle-source=file:{idle[i]}", "--mdns-ttl=10"],
-                                  _env(tmp_path / f"a{i}"))
+                                  lab_env(tmp_path / f"a{i}"))
         node, up_at = {}, {}
         for i in range(4):
             line = agents[i].wait_for(lambda i=i: [x for x in agents[i].err if " up: control " in x[1]], 30)

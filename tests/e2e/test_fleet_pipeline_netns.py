@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.fleet_netns_lab import NetnsLab, available, reap_stale
+from tests.e2e.fleet_netns_lab import NetnsLab, available, lab_env, reap_stale
 
 pytest.importorskip("openvino")
 torch = pytest.importorskip("torch")
@@ -38,13 +38,6 @@ PROMPTS = ["Tell me about the sea.", "What is the weather like on the lake today
 TOKENS = 32
 
 
-def _env(config: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO)
-    env["FLOTILLA_CONFIG"] = str(config)
-    env["FLOTILLA_FLEET_DEVICES"] = "CPU=Lab CPU"
-    env.pop("FLOTILLA_DATA", None)
-    return env
 
 
 def _reference(prompts: list[str], n: int) -> list[list[int]]:
@@ -89,7 +82,7 @@ def test_pipeline_across_namespaces_with_curve(tmp_path):
             idle[i].write_text(f"{time.time() - 3600}\n")  # away for an hour
             agents[i] = lab.spawn(i, [sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v",
                                       f"--bind={lab.ip(i)}", f"--port={PORT}", f"--interface={lab.ip(i)}",
-                                      f"--idle-source=file:{idle[i]}", "--mdns-ttl=10"], _env(cfg))
+                                      f"--idle-source=file:{idle[i]}", "--mdns-ttl=10"], lab_env(cfg))
         for i in (0, 1):
             assert agents[i].wait_for(lambda i=i: [x for x in agents[i].err if " up: control " in x[1]], 30), \
                 agents[i].err[-10:]
@@ -97,7 +90,7 @@ def test_pipeline_across_namespaces_with_curve(tmp_path):
         argv = [sys.executable, str(REPO / "tests/e2e/fleet_pipeline_controller.py"),
                 f"--interface={lab.ip(2)}", f"--config={tmp_path / 'ctl'}", f"--tokens={TOKENS}",
                 *(f"--agent-key={k}" for k in keys), *(f"--prompt={p}" for p in PROMPTS)]
-        ctl = lab.spawn(2, argv, _env(tmp_path / "ctl"))
+        ctl = lab.spawn(2, argv, lab_env(tmp_path / "ctl"))
 
         found = _event(ctl, "found", 30)
         assert {p["source"] for p in found["peers"]} == {"mdns"}
@@ -110,7 +103,7 @@ def test_pipeline_across_namespaces_with_curve(tmp_path):
             code["done"] = True
             i = ids[code["node_id"]]
             res = subprocess.run([sys.executable, "-m", "engine.cli.agent_cmd", "pair", "--accept", code["code"]],
-                                 env=_env(tmp_path / f"a{i}"), capture_output=True, text=True, timeout=60)
+                                 env=lab_env(tmp_path / f"a{i}"), capture_output=True, text=True, timeout=60)
             assert res.returncode == 0, res.stderr
 
         launched = _event(ctl, "launched", 120)

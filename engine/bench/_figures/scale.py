@@ -1,9 +1,11 @@
 """`flotilla bench scale`'s figure tables for docs/pipeline.md (rules: engine/bench/_figures/__init__.py).
 
 Sources: docs/bench/scale-quick/ (`flotilla bench scale --quick --runs 3 --out-dir
-docs/bench/scale-quick`, 1B shapes) and, once committed, docs/bench/scale/ (the 8B-shape run:
-then TABLES = READY, and SCALE_HEADLINE into _figures/readme.py; a table without a source
-fails `flotilla bench report --check`).
+docs/bench/scale-quick`, 1B shapes, all three precisions per run) and the 8B-shape runs, one
+folder per precision because a full run of all three takes about an hour here:
+docs/bench/scale/ (`--precisions int4 --runs 3`), docs/bench/scale-int8/ and
+docs/bench/scale-fp16/ (`--precisions int8` / `fp16`; their folder says how many runs).
+A table without a source fails `flotilla bench report --check`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 from engine.bench._report import REPO_ROOT, Row, Table
 
 FULL, QUICK = "scale", "scale-quick"
-HOW = {FULL: "`flotilla bench scale`", QUICK: "`flotilla bench scale --quick`"}
 PRECISIONS = ("int4", "int8", "fp16")
+# The folder each precision's figures come from: one folder per run kind.
+SOURCES = {QUICK: {p: QUICK for p in PRECISIONS}, FULL: {"int4": FULL, "int8": "scale-int8", "fp16": "scale-fp16"}}
+HOW = {FULL: "`flotilla bench scale`", QUICK: "`flotilla bench scale --quick`", "scale-int8": "`flotilla bench scale`",
+       "scale-fp16": "`flotilla bench scale`"}
 
 
 def _f(src: str, path: str, fmt: str) -> str:
@@ -24,8 +29,8 @@ def _pair(src: str, p: str, field: str, fmt: str = "mib") -> str:
     return f"{_f(src, p + '.0.' + field, fmt)} / {_f(src, p + '.1.' + field, fmt)}"
 
 
-def _memory_row(src: str, prec: str) -> Row:
-    p = f"precisions.{prec}."
+def _memory_row(kind: str, prec: str) -> Row:
+    src, p = SOURCES[kind][prec], f"precisions.{prec}."
     cells = (
         _pair(src, p + "export.stages", "shard_bytes"),
         f"{_f(src, p + 'export.cap_bytes', 'mib')} (checkpoint {_f(src, 'checkpoint.bytes', 'mib')})",
@@ -40,28 +45,28 @@ def _memory_row(src: str, prec: str) -> Row:
     return Row(prec, " | ".join(cells), HOW[src] + f", `precisions.{prec}`")
 
 
-def _speed_row(src: str, prec: str) -> Row:
-    p = f"precisions.{prec}."
+def _speed_row(kind: str, prec: str) -> Row:
+    src, p = SOURCES[kind][prec], f"precisions.{prec}."
     cells = (_f(src, p + "fleet.runs.1.tok_s", "f2"), _f(src, p + "fleet.runs.2.tok_s", "f2"),
              _f(src, p + "fleet.runs.1.ttft_s", "f2") + " s", _f(src, p + "fleet.cold_ttft_s", "f1") + " s",
              _f(src, p + "teacher_forced.top1_agreement", "pct"))
     return Row(prec, " | ".join(cells), HOW[src] + f", `precisions.{prec}`")
 
 
-def memory_table(src: str) -> Table:
-    return Table(f"{src}-memory", (
+def memory_table(kind: str) -> Table:
+    return Table(f"{kind}-memory", (
         "weights", "shard files (stage 0 / 1)", "exporter cap", "exporter peak anonymous (VmHWM, with mapped "
         "files)", "export time", "agent+worker cap", "worker peak anonymous (VmHWM)", "planned (process)",
         "JSON field"),  # type: ignore[arg-type]
-        tuple(_memory_row(src, p) for p in PRECISIONS))
+        tuple(_memory_row(kind, p) for p in PRECISIONS))
 
 
-def speed_table(src: str) -> Table:
-    return Table(f"{src}-speed", (
+def speed_table(kind: str) -> Table:
+    return Table(f"{kind}-speed", (
         "weights", "tok/s, 1 stream", "tok/s, 2 streams (aggregate)", "first token (warm)",
         "first token (cold: compiles)", "teacher-forced top-1 vs the bf16 reference",
         "JSON field"),  # type: ignore[arg-type]
-        tuple(_speed_row(src, p) for p in PRECISIONS))
+        tuple(_speed_row(kind, p) for p in PRECISIONS))
 
 
 def checkpoint_table(src: str) -> Table:
@@ -78,22 +83,8 @@ def checkpoint_table(src: str) -> Table:
     ))
 
 
-SCALE_HEADLINE = Table("scale-headline", ("what", "figure", "how"), (
-    Row("Llama-3.1-8B shapes (16 GB bf16), 2 stages at int4: exporter peak RSS under a cap of 0.6 x the "
-        "checkpoint",
-        f"{_pair(FULL, 'precisions.int4.export.stages', 'vm_hwm_bytes')} "
-        f"(cap {_f(FULL, 'precisions.int4.export.cap_bytes', 'mib')})", HOW[FULL]),
-    Row("the same, each agent + worker under a cap below the whole int4 model: worker peak RSS / planned",
-        f"{_pair(FULL, 'precisions.int4.fleet.workers', 'peak_rss_bytes')} / "
-        f"{_pair(FULL, 'precisions.int4.fleet.workers', 'planned_process_bytes')}", HOW[FULL]),
-    Row("int4 tok/s, 1 / 2 streams",
-        f"{_f(FULL, 'precisions.int4.fleet.runs.1.tok_s', 'f2')} / {_f(FULL, 'precisions.int4.fleet.runs.2.tok_s', 'f2')}",
-        HOW[FULL]),
-))
-
 READY = (checkpoint_table(FULL), memory_table(FULL), speed_table(FULL),
          checkpoint_table(QUICK), memory_table(QUICK), speed_table(QUICK))
 
 FILE = REPO_ROOT / "docs" / "pipeline.md"
-# The quick (1B-shape) runs are committed; the 8B-shape run (FULL) is not yet, so its tables stay off.
-TABLES: tuple[Table, ...] = (checkpoint_table(QUICK), memory_table(QUICK), speed_table(QUICK))
+TABLES: tuple[Table, ...] = READY

@@ -193,6 +193,9 @@ def test_windows_spawn_asks_for_a_new_process_group_and_the_job(windows, monkeyp
                                                    process.CREATE_NEW_PROCESS_GROUP]
     assert not any("start_new_session" in kw for kw in seen)
     assert len(jobs) == 1 and jobs[0].pids == [a.pid, b.pid]  # one job for all, alive as long as we are
+    c = process.spawn([sys.executable, "-c", SLEEPER], hidden=True)  # the tray's agent: no console window
+    cleanup.append(c)
+    assert seen[-1]["creationflags"] == process.CREATE_NO_WINDOW | process.CREATE_NEW_PROCESS_GROUP
 
 
 def test_windows_interrupt_sends_ctrl_break_to_the_group_spawn_made(windows, monkeypatch, cleanup):
