@@ -189,9 +189,12 @@ def footnote(names: list[str], sources: dict[str, Source]) -> str:
         src = sources[name]
         commits = sorted({(r["provenance"]["commit"] or "?")[:10] for r in src.runs})
         cpu = src.runs[0]["provenance"]["cpu"]
-        loads = [r["provenance"]["load_before"][0] for r in src.runs]
+        # 1-min load average before and after each run: a run shares the machine with whatever
+        # ran meanwhile, and "after" shows it where "before" was quiet.
+        loads = [r["provenance"][k][0] for r in src.runs for k in ("load_before", "load_after")
+                 if r["provenance"].get(k)]
         flags = ",".join(cpu.get("flags") or []) or "none"
-        parts.append(f"`{_rel(src.files[0].parent)}/` ({len(src.runs)} runs, commit {'/'.join(commits)}, "
+        parts.append(f"`{_rel(src.files[0].parent)}/` ({len(src.runs)} run{'s' if len(src.runs) != 1 else ''}, commit {'/'.join(commits)}, "
                      f"{cpu['model']}, {cpu['cores']} cores, flags {flags}, "
                      f"load {min(loads):.2f}–{max(loads):.2f})")
     return ("Figures: median of the runs (min–max). Sources: " + "; ".join(parts) + ". "

@@ -49,14 +49,14 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{chaos-quick:duplicated_tokens|int} duplicated, {chaos-quick:lost_tokens|int} lost tokens; "
         "max recovery {chaos-quick:max_recovery_s|f1} s (goal {chaos-quick:recovery_goal_s|f0} s)",
         Q.format("chaos")),
-    Row("bigger than its processes: Llama-3.1-8B shapes ({scale:checkpoint.bytes|mib} bf16 checkpoint), 2 stages "
-        "at int4, every process in a cgroup capped below what it holds",
-        "exporter peak anonymous {scale:precisions.int4.export.stages.0.rss_anon_peak_bytes|mib} / "
+    Row("bigger than its processes: Llama-3.1-8B shapes, 2 stages at int4 (a plan for two 8 GB PCs), every "
+        "process in a cgroup capped below what it holds",
+        "bf16 checkpoint {scale:checkpoint.bytes|mib}; exporter peak anonymous {scale:precisions.int4.export.stages.0.rss_anon_peak_bytes|mib} / "
         "{scale:precisions.int4.export.stages.1.rss_anon_peak_bytes|mib} under "
         "{scale:precisions.int4.export.cap_bytes|mib}; workers "
         "{scale:precisions.int4.fleet.workers.0.rss_anon_peak_bytes|mib} / "
         "{scale:precisions.int4.fleet.workers.1.rss_anon_peak_bytes|mib} anonymous, each agent + worker capped at "
-        "{scale:precisions.int4.fleet.workers.0.cap_bytes|mib} (the whole int4 model: "
+        "{scale:precisions.int4.fleet.workers.0.cap_bytes|mib} (below the whole int4 model: "
         "{scale:precisions.int4.model_bytes|mib} of shard files); "
         "{scale:precisions.int4.fleet.runs.1.tok_s|f1} tok/s (2 cores shared by both stages)",
         "`flotilla bench scale --precisions int4 --runs 3` (random weights; int8 / fp16, the 1B-shape runs "
