@@ -80,34 +80,46 @@ def test_demo_headless_exits_0_within_2_minutes(tmp_path):
     print(f"\ndemo: {wall:.1f} s wall; {s['decode_tok_s']} tok/s; timings {s['timings_s']}")
 
 
-def test_demo_ctrl_c_during_launch_leaves_nothing_behind():
-    # A long answer: on a loaded machine this test's reader may see "starting stage" late, when the
-    # launch is already over; the Ctrl-C must then still land mid-run (answering), never after exit.
+def _ctrl_c_at(trigger: str) -> tuple[int, list[str], str]:
+    """Start the demo, send it SIGINT as soon as a stderr line starts with trigger; its exit
+    code, its stderr lines, its temp folder (after checking nothing of it is left)."""
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli.demo_cmd", "--headless", "--max-tokens", "2000"],
                             env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     lines: list[str] = []
     root: list[str] = []
-    launching = threading.Event()
+    hit = threading.Event()
 
     def pump() -> None:
         for line in proc.stderr:
+            if line.startswith(trigger) and not hit.is_set():
+                proc.send_signal(signal.SIGINT)  # from the reader itself: no thread hand-over delay
+                hit.set()
             lines.append(line.rstrip())
             m = re.search(r"config and logs in (\S+)", line)
             if m:
                 root.append(m.group(1))
-            if line.startswith("starting stage"):
-                launching.set()
 
     threading.Thread(target=pump, daemon=True).start()
     try:
-        assert launching.wait(90), "\n".join(lines[-20:])
-        time.sleep(0.3)  # workers are being spawned now (or, if we are late, the answer is streaming)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130, "\n".join(lines[-20:])
+        assert hit.wait(90), "\n".join(lines[-20:])
+        code = proc.wait(30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert root, "\n".join(lines[-20:])
     _no_leftovers(root[0], within=8.0)
+    return code, lines, root[0]
+
+
+def test_demo_ctrl_c_during_launch_leaves_nothing_behind():
+    # The Ctrl-C is sent the moment the launcher starts the stage workers. The rest of a demo takes
+    # about a second after that line, so on a loaded machine the signal can land after the demo has
+    # finished: such an attempt (exit 0, nothing left behind either) is retried, twice at most.
+    for _ in range(3):
+        code, lines, _root = _ctrl_c_at("starting stage")
+        if code != 0:
+            break
+    assert code == 130, "\n".join(lines[-20:])
+    assert lines[-1] == "interrupted", lines[-5:]
