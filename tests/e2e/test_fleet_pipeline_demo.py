@@ -80,12 +80,19 @@ def test_demo_headless_exits_0_within_2_minutes(tmp_path):
     print(f"\ndemo: {wall:.1f} s wall; {s['decode_tok_s']} tok/s; timings {s['timings_s']}")
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _ctrl_c_at(trigger: str) -> tuple[int, list[str], str]:
     """Start the demo, send it SIGINT as soon as a stderr line starts with trigger; its exit
     code, its stderr lines, its temp folder (after checking nothing of it is left)."""
+    # preexec_fn: SIGINT as a terminal leaves it. A suite started in the background by a shell without
+    # job control inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored: the demo would
+    # then never see this Ctrl-C (that, not the demo, failed a backgrounded CI run).
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli.demo_cmd", "--headless", "--max-tokens", "2000"],
                             env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     lines: list[str] = []
     root: list[str] = []
     hit = threading.Event()
