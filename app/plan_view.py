@@ -557,7 +557,7 @@ class PlanView(QWidget):
             device.setCurrentText(s.device)
             device.activated.connect(lambda _i, pid=s.peer_id, box=device: self.pin(pid, box.currentText()))
             mem = MemoryBar()
-            mem.set_values(s.weight_bytes, s.kv_bytes, s.margin_bytes, s.ram_free_bytes, style.stage_colour(i))
+            mem.set_values(s.resident_weight_bytes, s.kv_bytes, s.margin_bytes, s.ram_free_bytes, style.stage_colour(i))
             excl = QPushButton("Exclude")
             excl.setToolTip("Re-plan without this peer")
             excl.setEnabled(len(self.plan.stages) > 1 or len(peers) > 1)
@@ -625,8 +625,11 @@ class PlanView(QWidget):
                                        + (f" ({self.session.plan_text})" if self.session.plan_text else ""))
         elif self.session.state == "failed":
             self.launch_reason.setText(f"Last launch failed: {self.session.error}")
-            for bar, label in self._launch_rows.values():
-                if label.text() != "ready":
+            for i, (bar, label) in self._launch_rows.items():
+                if i in self.session.refused:  # its agent said no: say why on its own row
+                    label.setText(f"refused: {self.session.refused[i]}")
+                    bar.setValue(0)
+                elif label.text() != "ready":
                     label.setText("stopped")
                     bar.setValue(0)
         else:
@@ -649,6 +652,7 @@ class PlanView(QWidget):
             bar.setRange(0, 100)
             bar.setTextVisible(False)
             label = QLabel("waiting", objectName="muted")
+            label.setWordWrap(True)  # a refusal's why with its numbers can be long
             self.progress_grid.addWidget(QLabel(f"{self._peer_name(s.peer_id)} ({s.start}–{s.end})"), i, 0)
             self.progress_grid.addWidget(bar, i, 1)
             self.progress_grid.addWidget(label, i, 2)

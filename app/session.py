@@ -69,6 +69,9 @@ class EngineSession(QObject):
         self.plan_text = ""  # "2 stages: 0–4 | 4–8 · f32 weights" for a pipeline, "" otherwise
         self.plan = None  # the Plan launched (the editor's very object), None for other engines
         self.error = ""  # why the last open failed
+        # stage index -> why its agent refused it ("over its owner's RAM limit...: needs 3.10 GB, ..."),
+        # from the refusal's fields (engine/fleet/refusal.py), for the launch rows; {} otherwise
+        self.refused: dict[int, str] = {}
         self._generation = 0
         self._cancel: threading.Event | None = None
         self.answering = 0  # this app's answers in flight (every chat window)
@@ -177,6 +180,7 @@ class EngineSession(QObject):
             self._close_async(self.engine)
         self.engine = self.info = None
         self.spec, self.kind, self.plan_text, self.plan, self.error = spec, kind, plan_text, plan, ""
+        self.refused = {}
         self._set(OPENING)
 
     def _on_progress(self, generation: int, values: tuple) -> None:
@@ -204,6 +208,8 @@ class EngineSession(QObject):
         self._cancel = None
         cancelled = isinstance(exc, client.LaunchCancelled)
         self.error = "launch cancelled" if cancelled else (str(exc) or type(exc).__name__)
+        # A fleet launch refused by agents (StageRefused) says, per stage, why in fields.
+        self.refused = {r.stage: r.why() for r in getattr(exc, "refusals", ())}
         self._set(FAILED)
         self.failed.emit(self.error)
 

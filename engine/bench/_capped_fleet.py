@@ -16,6 +16,9 @@ own capped cgroup-v1 memory group, launched the way a user launches it (engine/f
 4. A warm-up request (its first token includes compiling the shards), then N = 1, 2 streams
    generating `tokens` tokens each (ignore_eos): aggregate tok/s, time to first token,
    decode tok/s; the token ids of the first stream are kept (tests compare them).
+   Then the fill run (fill=True): max(streams) streams whose prompts take the plan's whole
+   context (less FILL_TOKENS generated), so every worker reaches the KV and the prefill
+   chunks the plan reserved memory for: the measured peak is the one the plan predicts.
 5. Every group is sampled all along: per process VmHWM and RssAnon peaks (agent and worker
    apart), the group's max_usage, failcnt, OOM kills.
 Disk: the controller sends each bundle straight from its shard folder (no archive written), and
@@ -42,6 +45,8 @@ from engine.bench._cgroup import MemoryGroup, PeakSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time, in a small town by the sea, there lived"
+FILL_TOKENS = 8  # generated per stream by the fill run, after a prompt filling the context
+FILL_MARGIN = 16  # tokens left free of the context (a tokenizer's BOS, rounding)
 
 
 @dataclass(frozen=True)
@@ -173,18 +178,29 @@ def _generate(engine: Any, n: int, tokens: int, prompt: str, timeout: float) -> 
     errors = [getattr(f, "error", None) or ("no final event" if f is None else None) for f in finals]
     errors = [e for e in errors if e]
     counts = [f.usage.completion_tokens if f is not None and f.usage else len(x) for f, x in zip(finals, ids)]
+    prompts = [f.usage.prompt_tokens for f in finals if f is not None and f.usage]
     timings = [f.timings for f in finals if f is not None and f.timings is not None]
     return {
         "streams": n, "tokens": counts, "wall_s": round(wall, 3),
         "tok_s": round(sum(counts) / wall, 3) if wall > 0 else None,
         "ttft_s": round(sum(t.ttft_s for t in timings) / len(timings), 3) if timings else None,
         "decode_tok_s": round(sum(t.decode_tok_s for t in timings) / len(timings), 3) if timings else None,
-        "token_ids": ids[0], "errors": errors,
+        "token_ids": ids[0], "errors": errors, "prompt_tokens": min(prompts) if prompts else None,
     }
 
 
+def fill_prompt(model_path: Path, n_tokens: int) -> str:
+    """Text of about n_tokens tokens for this model's tokenizer (PROMPT repeated, cut at a token)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    one = tok.encode(" " + PROMPT, add_special_tokens=False)
+    ids = (one * (n_tokens // max(1, len(one)) + 1))[:n_tokens]
+    return tok.decode(ids)
+
+
 def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context_length: int,
-                     streams: Sequence[int] = (1, 2), tokens: int = 64, exact: bool = False,
+                     streams: Sequence[int] = (1, 2), tokens: int = 64, exact: bool = False, fill: bool = True,
                      prompt: str = PROMPT, report: Callable[[str], None] | None = None,
                      request_timeout_s: float = 600.0, free_disk_as_sent: bool = True,
                      log_dir: Path | None = None) -> dict[str, Any]:
@@ -256,6 +272,14 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
             out["runs"][str(n)] = res
             say(f"  {precision}: {n} stream(s) {res['tok_s']} tok/s, first token {res['ttft_s']} s"
                 + (f", errors {res['errors']}" if res["errors"] else ""))
+        if fill:
+            n = max(streams)
+            text = fill_prompt(model_path, context_length - FILL_TOKENS - FILL_MARGIN)
+            say(f"  {precision}: filling the {context_length}-token context with {n} stream(s)")
+            res = _generate(engine, n, FILL_TOKENS, text, request_timeout_s)
+            out["fill"] = res
+            say(f"  {precision}: fill run {res['prompt_tokens']} prompt tokens per stream, first token "
+                f"{res['ttft_s']} s" + (f", errors {res['errors']}" if res["errors"] else ""))
     except Exception as e:  # noqa: BLE001 - measured and reported, never a traceback for an OOM
         out["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
         say(f"  {precision}: {out['error']}")
@@ -318,12 +342,16 @@ def _worker_record(w: dict, plan: Any, stats: list, samplers: list[PeakSampler],
     peak = samplers[i].peak(w["worker_pid"]) if i is not None and w["worker_pid"] else None
     agent_peak = samplers[i].peak(agents.procs[i].pid) if i is not None and agents is not None else None
     cap = caps_set.get(w["node_id"], st.limit_bytes if st else None)
+    planned_process = planned_process_bytes(planned) if planned else None
+    anon = peak.rss_anon_peak_bytes if peak else None
     return {
         **w,
         "cap_bytes": cap, "cap_base_bytes": caps.base_bytes,
         "cap_below_model": cap is not None and caps.below_model(cap),
         "planned_bytes": planned.total_bytes if planned else None,
-        "planned_process_bytes": planned_process_bytes(planned) if planned else None,
+        "planned_process_bytes": planned_process,
+        # how far the plan's process memory is from the measured anonymous peak (+: plan higher)
+        "plan_vs_anon": round(planned_process / anon - 1, 4) if planned_process and anon else None,
         # the planner's parts (weights, KV, reserves: whichever it has), bytes only
         "planned": ({k: v for k, v in planned.to_dict().items() if k.endswith("_bytes") and k != "ram_free_bytes"}
                     if planned else None),

@@ -105,6 +105,8 @@ def field(data: Any, path: str) -> Any:
 def _fmt_number(x: float, spec: str) -> str:
     if spec == "pct":  # a fraction shown as a percentage
         return f"{x * 100:.1f} %"
+    if spec == "spct":  # a signed relative difference shown as a percentage
+        return f"{x * 100:+.1f} %"
     if spec == "x":  # a ratio
         return f"{x:.2f}×"
     if spec.startswith("f") and spec[1:].isdigit():

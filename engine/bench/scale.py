@@ -266,6 +266,9 @@ def judge(result: dict[str, Any], precisions: Sequence[str], tokens: int, stream
                 continue
             if run["errors"] or any(t != tokens for t in run["tokens"]):
                 fails.append(f"{p}: {n} stream(s) gave {run['tokens']} tokens of {tokens}; {run['errors']}")
+        fill = fleet.get("fill")
+        if fill is not None and (fill["errors"] or not fill.get("prompt_tokens")):
+            fails.append(f"{p}: the fill run (prompts filling the context) failed: {fill['errors']}")
     return fails
 
 

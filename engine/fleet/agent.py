@@ -13,7 +13,10 @@ idle state flips or free RAM moves by more than a threshold.
 
 Nothing a peer sends can end the agent: every message is decoded strictly,
 anything wrong gets an ErrorReply, and an unexpected exception in a handler is
-logged and answered with "internal".
+logged and answered with "internal". Work the agent will not take (a shard its
+disk cannot hold, a worker over its policy or free RAM, a device not shared,
+the owner back, the PC busy) is answered "refused" with a Refusal saying why
+in fields (engine/protocol/errors.py REFUSAL_REASONS; docs/fleet.md "Refusals").
 """
 
 from __future__ import annotations
@@ -292,7 +295,7 @@ class Agent:
         return LoadReply(msg.request_id, worker.info(), worker.data_port)
 
     def _check_memory(self, msg: LoadRequest, meta: dict, shard: Path) -> None:
-        """Refuse (overloaded, the code and numbers in the reason) a worker that would not fit
+        """Refuse ("refused", with a Refusal: reason, need_bytes, limit_bytes) a worker that would not fit
         the policy's RAM cap or free RAM less the OS reserve: its shard + KV for the
         request's context x streams (LoadRequest.context_length / streams; context 0 =
         DEFAULT_CONTEXT) + the runtime reserve. Running workers count
@@ -313,7 +316,7 @@ class Agent:
         used = sum(sized.get(w.sha256, w.size) for w in self.supervisor.running() if w.sha256 != msg.sha256)
         decision = check_start(self.policy, self.state, msg.device, meta["size"], used, need)
         if not decision.share:
-            raise ProtocolError(f"not sharing now: {decision.reason} [{decision.code}]", "overloaded")
+            raise ProtocolError(decision.message(), refusal=decision.refusal())
         sized[msg.sha256] = need.total
 
     def _unpacked(self, sha: str) -> Path:

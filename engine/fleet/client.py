@@ -34,6 +34,7 @@ from engine.protocol.control import (AgentEvent, ChunkReply, ChunkRequest, LoadR
                                      PairReply, PairRequest, PrepareReply, PrepareRequest,
                                      StatusReply, StatusRequest, StopReply, StopRequest, UnloadReply,
                                      UnloadRequest)
+from engine.protocol.errors import Refusal
 from engine.protocol.messages import ErrorReply
 
 DEFAULT_CHUNK = 1024 * 1024
@@ -48,11 +49,21 @@ class NotPaired(FleetError):
 
 
 class AgentRefused(FleetError):
-    """The agent answered with an ErrorReply."""
+    """The agent answered with an ErrorReply: branch on .code and .refusal, show str(e)."""
 
     def __init__(self, reply: ErrorReply) -> None:
         super().__init__(f"{reply.code}: {reply.message}")
         self.reply = reply
+
+    @property
+    def code(self) -> str:
+        """One of engine.protocol.errors.ERROR_CODES."""
+        return self.reply.code
+
+    @property
+    def refusal(self) -> Refusal | None:
+        """Why the agent will not take the work (code "refused"): reason, need_bytes, limit_bytes."""
+        return self.reply.refusal
 
 
 def sha256_file(path: Path) -> str:

@@ -30,6 +30,11 @@ Steps, each failing with a clear message before the next starts:
 4. load: each agent starts a real shard worker (engine/pipeline/worker.py)
    with CURVE on its data socket, admitting this controller and the other
    agents of the ring; it reports the port it bound.
+   An agent that refuses a stage at 3 (its disk) or 4 (its policy's RAM cap,
+   free RAM, device, owner back, CPU busy) answers "refused" with a Refusal
+   (reason, need_bytes, limit_bytes); every refusing stage is reported as one
+   StageRefused (engine/fleet/refusal.py: a PlanError and a FleetError) built
+   from those fields: one line per stage naming it, the peer and the numbers.
 5. wire: a PipelineEngine with CURVE on every data socket: each stage's
    server key is its agent's public key, and the coordinator's return socket
    admits the ring's agent keys only.
@@ -81,6 +86,7 @@ from engine.fleet.bundle_view import BundleView
 from engine.fleet.client import AgentClient, AgentRefused, FleetError, NotPaired, async_pair
 from engine.fleet.curve_data import CurveEnd
 from engine.fleet.discovery import Combined, Discovery, ManualPeers, Peer
+from engine.fleet.refusal import StageRefusal, StageRefused
 from engine.fleet.security import KeyPair
 from engine.pipeline import plan_weights
 from engine.pipeline.plan import (DEFAULT_PREFERENCE, DEVICE_KINDS, LOOPBACK_LINK, DeviceProfile, PeerProfile,
@@ -463,21 +469,18 @@ class FleetSession:
     async def _send_all(self) -> None:
         # Each agent first says whether its disk can take its shard (PrepareRequest),
         # so a full disk is one line naming the peer before any chunk travels anywhere.
-        refused = [r for r in await asyncio.gather(*(self._room_for(st) for st in self.stages)) if r]
-        if refused:
-            raise FleetError("; ".join(refused))
+        _raise_refusals(await asyncio.gather(*(self._room_for(st) for st in self.stages), return_exceptions=True))
         await asyncio.gather(*(self._send_one(st) for st in self.stages))
 
     def _shard_id(self, st: _Stage) -> str:
         return f"{self.model_id[:80]}/L{st.start}-{st.end}"
 
-    async def _room_for(self, st: _Stage) -> str:
-        """"" when st's agent has its shard or room for it, else why not (one line)."""
+    async def _room_for(self, st: _Stage) -> None:
+        """Returns when st's agent has its shard or room for it; raises _refused(st, e) when not."""
         try:
             await self._clients[st.peer.node_id].prepare(self._shard_id(st), st.sha256, st.bundle.size)
         except AgentRefused as e:
-            return _refused(st, e)
-        return ""
+            raise _refused(st, e, "prepare") from None
 
     async def _send_one(self, st: _Stage) -> None:
         client = self._clients[st.peer.node_id]
@@ -491,8 +494,8 @@ class FleetSession:
         try:
             last = await client.send_shard(st.bundle, self._shard_id(st), sha=st.sha256,
                                            chunk=self.cfg.chunk_bytes, progress=shown)
-        except AgentRefused as e:  # no room (or a bad bundle): name the peer
-            raise FleetError(_refused(st, e)) from None
+        except AgentRefused as e:  # the disk filled meanwhile (or a bad bundle): name the peer
+            raise _refused(st, e, "prepare") from None
         if getattr(last, "cached", False):
             self.progress(f"shard {st.index}: {name} already has it", 1.0)
         else:
@@ -501,7 +504,8 @@ class FleetSession:
                 raise FleetError(f"sending shard {st.index} to {name} stopped at {last.have_bytes} bytes")
 
     async def _load_all(self) -> None:
-        await asyncio.gather(*(self._load_one(st) for st in self.stages))
+        # Every agent answers (started or refused) before we report, so every refusing stage is named.
+        _raise_refusals(await asyncio.gather(*(self._load_one(st) for st in self.stages), return_exceptions=True))
 
     async def _load_one(self, st: _Stage) -> None:
         # Every agent of the session may feed this worker (a recovery can put any of them next to it).
@@ -509,9 +513,12 @@ class FleetSession:
         self.progress(f"starting stage {st.index} on {st.peer.info.hostname} ({st.device})", 0.0)
         others = tuple(k for k in ring if k != st.peer.info.public_key)
         self._all.append(st)  # unloaded at stop, even when the load fails half-way
-        reply = await self._clients[st.peer.node_id].load(
-            st.sha256, st.device, 0, exact=self.cfg.exact, ring_keys=others, timeout=self.cfg.load_timeout_s,
-            context_length=self.context_length or 0, streams=self.streams or 1)
+        try:
+            reply = await self._clients[st.peer.node_id].load(
+                st.sha256, st.device, 0, exact=self.cfg.exact, ring_keys=others, timeout=self.cfg.load_timeout_s,
+                context_length=self.context_length or 0, streams=self.streams or 1)
+        except AgentRefused as e:  # the worker would not fit, the owner is back...: name stage and peer
+            raise _refused(st, e, "load") from None
         if not reply.data_port:
             raise FleetError(f"the worker on {st.peer.info.hostname} did not say which port it bound")
         st.data_port, st.pid = reply.data_port, reply.shard.pid
@@ -716,6 +723,9 @@ class FleetRingProvider:
             except RecoveryImpossible as e:
                 why.append(f"{name}: {e}")
                 continue
+            except StageRefused as e:  # the agent said why, in fields
+                why.append(f"{name}: {'; '.join(r.why() for r in e.refusals)}")
+                continue
             except Exception as e:  # noqa: BLE001 - next candidate
                 log.warning("fleet: stage %d onto %s failed: %s", i, name, e)
                 why.append(f"{name}: {_one_line(e)}")
@@ -846,11 +856,32 @@ def _log_migration(fut: Any, msg: str) -> None:
         log.warning("fleet: %s: migration failed: %s", msg, e)
 
 
-def _refused(st: _Stage, e: AgentRefused) -> str:
-    """One line naming the peer that refused st's shard, with the agent's reason."""
+def _refused(st: _Stage, e: AgentRefused, step: str) -> FleetError:
+    """The error for an agent's answer refusing st at step: a StageRefused from the
+    Refusal's fields when it said why; else a FleetError naming the peer with its message."""
+    refusal = e.refusal
+    if refusal is not None:
+        log.warning("fleet: %s refused stage %d at %s: %s", st.peer.info.hostname, st.index, step, e.reply.message)
+        return StageRefused([StageRefusal(st.index, st.start, st.end, st.peer.info.hostname,
+                                          st.peer.info.fingerprint, st.device, step, refusal)])
     peer = f"{st.peer.info.hostname} ({st.peer.info.fingerprint})"
-    return (f"{peer} cannot take shard {st.index} (layers {st.start}–{st.end}): "
-            f"{e.reply.message} [{e.reply.code}]")
+    return FleetError(f"{peer} cannot take stage {st.index} (layers {st.start}–{st.end}): "
+                      f"{e.reply.message} ({e.code})")
+
+
+def _raise_refusals(results: Sequence[Any]) -> None:
+    """Of gathered per-stage results: nothing when no stage failed; every stage's refusal
+    as one StageRefused when all failures are refusals; else one FleetError with every
+    failure's line (an unexpected exception as itself)."""
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if not errors:
+        return
+    if all(isinstance(e, StageRefused) for e in errors):
+        raise StageRefused([r for e in errors for r in e.refusals])
+    odd = [e for e in errors if not isinstance(e, FleetError)]
+    if odd or len(errors) == 1:
+        raise (odd or errors)[0]
+    raise FleetError("; ".join(_one_line(e) for e in errors))
 
 
 def _one_line(e: BaseException) -> str:
@@ -884,13 +915,15 @@ def launch_fleet(keys: KeyPair, peers: Sequence[Peer], cfg: LaunchConfig = Launc
     """Launch `plan` as is (checked, never re-planned), or plan over the peers;
     send the shards, start the workers, wire a PipelineEngine; engine.close()
     unloads everything. Raises PlanError before anything is sent when the plan
-    does not fit (naming the stage), NotPaired for an agent that does not know
-    our key, FleetError/EngineError for anything else (after cleaning up)."""
+    does not fit (naming the stage), StageRefused (a PlanError) when agents
+    refuse stages (their Refusal fields in .refusals), NotPaired for an agent
+    that does not know our key, FleetError/EngineError for anything else (after cleaning up)."""
     session = FleetSession(keys, peers, cfg, progress, plan=plan)
     if on_event is not None:
         session.add_listener(on_event)
     return session.launch()
 
 
-__all__ = ["FleetEvent", "FleetRingProvider", "FleetSession", "RemoteWorker", "LaunchConfig", "async_discover", "async_pair_all",
+__all__ = ["FleetEvent", "FleetRingProvider", "FleetSession", "RemoteWorker", "LaunchConfig", "StageRefused",
+           "async_discover", "async_pair_all",
            "controller_keys", "launch_fleet", "local_address_toward", "peer_links", "peer_profile"]

@@ -18,6 +18,7 @@ import psutil
 from engine.fleet import sysinfo
 from engine.fleet.idle import IdleSource
 from engine.fleet.paths import read_json, write_json
+from engine.protocol.errors import Refusal
 
 POLICY_FILE = "sharing_policy.json"
 GB = 10**9
@@ -81,10 +82,21 @@ class MachineState:
 class Decision:
     share: bool  # new work may start and running work may stay
     reason: str  # why not ("" when share), with the numbers
-    # why not, for programs: "" | not_sharing | device | policy_cap | ram | cpu_busy
+    # why not, for programs: "" when share, else one of engine.protocol.errors.REFUSAL_REASONS
+    # (not_sharing | device | policy_cap | ram | cpu_busy), the reason of the Refusal sent
     code: str = ""
     need_bytes: int = 0  # policy_cap / ram: what the new worker needs
     limit_bytes: int = 0  # policy_cap: what the cap leaves; ram: free RAM less the OS reserve
+
+    def refusal(self) -> Refusal:
+        """The wire form of a refusal, for ErrorReply.refusal (ValueError when share)."""
+        if self.share:
+            raise ValueError("a decision to share is no refusal")
+        return Refusal(self.code, self.need_bytes, self.limit_bytes)
+
+    def message(self) -> str:
+        """The refusal's one line for people, with the numbers."""
+        return f"not sharing now: {self.reason}" if self.code == "not_sharing" else self.reason
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,7 @@ class StartNeed:
     """What a worker will hold, sized by the agent before it starts one (the same
     memory model as the planner's stage, engine/pipeline/plan.py)."""
 
-    weights: int  # the shard's bytes
+    weights: int  # the shard's bytes the worker holds (less an embedding read from the mapped file)
     kv: int  # KV for context x streams tokens over its layers, at the runtime's KV width and peak
     runtime: int  # measured runtime reserve + the prefill chunk's activations
 
@@ -122,7 +134,12 @@ def start_need(shard_bytes: int, manifest: dict | None, device: str, exact: bool
     # (Llama-3 8B: 32 heads, 3.5 x hidden), the scratch's usual shape.
     scratch = plan.prefill_scratch(max(1, hidden // head_dim), 4 * hidden, context_length,
                                    dequant_kv_elements=elements if u8 else 0)
-    return StartNeed(int(shard_bytes), kv, plan.RUNTIME_RESERVE_BYTES + scratch)
+    # A first stage's embedding table stays in the mapped file on this device (the planner's rule)
+    mapped = 0
+    if (int(manifest["start"]) == 0 and plan.embedding_mapped(kind) and manifest.get("vocab_size")
+            and manifest.get("precision") in plan.PRECISION_BYTES):
+        mapped = plan.embedding_table_bytes(int(manifest["vocab_size"]), hidden, str(manifest.get("precision")))
+    return StartNeed(max(0, int(shard_bytes) - mapped), kv, plan.RUNTIME_RESERVE_BYTES + scratch)
 
 
 def _gb(n: float) -> str:
@@ -134,13 +151,13 @@ def evaluate(policy: SharingPolicy, state: MachineState) -> Decision:
     "user present" (we cannot promise to yield to someone we cannot see);
     unknown power counts as AC (desktops often report nothing)."""
     if not policy.enabled:
-        return Decision(False, "sharing is switched off")
+        return Decision(False, "sharing is switched off", "not_sharing")
     if state.idle_s is None:
-        return Decision(False, "idle time unknown")
+        return Decision(False, "idle time unknown", "not_sharing")
     if state.idle_s < policy.idle_minutes * 60:
-        return Decision(False, "user active")
+        return Decision(False, "user active", "not_sharing")
     if policy.require_ac and state.on_ac is False:
-        return Decision(False, "on battery")
+        return Decision(False, "on battery", "not_sharing")
     return Decision(True, "")
 
 
@@ -154,7 +171,7 @@ def check_start(policy: SharingPolicy, state: MachineState, device: str, shard_b
 
     base = evaluate(policy, state)
     if not base.share:
-        return Decision(False, base.reason, "not_sharing")
+        return base
     if not policy.allows_device(device):
         return Decision(False, f"device {device} is not shared (policy: {', '.join(policy.devices)})", "device")
     need = need or StartNeed(int(shard_bytes), 0, 0)

@@ -32,7 +32,8 @@ the few-KB journal. The two things the old .part file gave stay true:
   deleted: nothing half-written can be used.
 A plain (non-tar) shard keeps the old layout: <sha>.part renamed to <sha>.
 
-Room. PrepareRequest is refused ("overloaded", with the numbers) when the
+Room. PrepareRequest is refused ("refused", Refusal reason "disk" with need_bytes =
+the bytes below and limit_bytes = the free space; the numbers in the message too) when the
 disk's free space is less than the bytes still to come + `reserve` + what
 transfers in flight on this agent still need: the unpacked shard is never
 larger than its archive, so that is all a receive will ever write.
@@ -53,7 +54,7 @@ from typing import Any
 from engine.fleet.bundle import BLOCK, BundleError, StreamUnpacker, is_bundle, looks_like_bundle, unpack
 from engine.fleet.paths import ensure_private_dir, read_json, write_json
 from engine.protocol.control import ShardInfo, is_sha256
-from engine.protocol.errors import ProtocolError
+from engine.protocol.errors import ProtocolError, Refusal
 
 DISK_MARGIN = 512 * 1024 * 1024  # leave this much free on the disk
 RESERVE_TTL_S = 600.0  # a transfer not touched for this long no longer holds room for its rest
@@ -62,13 +63,15 @@ _READ = 4 * 1024 * 1024
 
 
 class NoRoom(ProtocolError):
-    """Not enough free disk for a shard; need/free/reserve/others in bytes."""
+    """Not enough free disk for a shard; need/free/reserve/others in bytes. On the
+    wire: "refused" with Refusal("disk", need + reserve + others, free)."""
 
     def __init__(self, need: int, free: int, reserve: int, others: int) -> None:
         self.need, self.free, self.reserve, self.others = need, free, reserve, others
         held = f" + {_human(others)} for transfers in progress" if others else ""
         super().__init__(f"not enough disk space for the shard: {_human(need)} to receive + "
-                         f"{_human(reserve)} kept free{held}, {_human(free)} free", "overloaded")
+                         f"{_human(reserve)} kept free{held}, {_human(free)} free",
+                         refusal=Refusal("disk", max(0, need) + reserve + others, max(0, free)))
 
 
 @dataclass

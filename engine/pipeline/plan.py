@@ -29,6 +29,7 @@ Memory of a stage (docs/planner.md has the measurements behind each number):
 - runtime reserve: measured fixed memory of a worker process + the prefill
   chunk's activations and attention scores (``runtime_reserve``);
 - OS reserve: what the peer leaves to its OS and owner (``os_reserve``).
+The constants and byte formulas live in ``plan_memory``; the search in ``plan_search``.
 The sum must fit the peer's ``ram_free_bytes`` = min(free RAM, the agent's
 sharing-policy cap). A weight precision of "auto" is resolved by
 ``choose_precision``: the checkpoint's own dtype if it fits, else int8, else
@@ -51,128 +52,21 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from engine.pipeline.plan_memory import (  # noqa: F401 - plan.X stays the public name of each
+    AUTO, DEFAULT_HEAD_DIM, EMBEDDING_MAPPED, DEQUANT_COPIES, INT4_GROUP_SIZE, KV_DEFAULT_PRECISION, KV_PRECISION_BYTES,
+    KV_U8_GROWTH, OS_RESERVE_FRACTION, OS_RESERVE_MIN_BYTES, PRECISION_BYTES, PRECISION_LADDERS, PRECISIONS,
+    PREFILL_CHUNK, RUNTIME_RESERVE_BYTES, RUNTIME_RESERVE_FRACTION, SCALE_BYTES, SCORE_COPIES,
+    U8_KV_SCALE_BYTES, VECTOR_BYTES, ZERO_POINT_BYTES, WeightCounts, _floats, _is_int, _is_num, _need,
+    check_precision, embedding_mapped, embedding_table_bytes, kv_element_bytes, kv_growth, os_reserve, precision_ladder, prefill_scratch,
+    weight_bytes_of)
+from engine.pipeline.plan_search import MAX_EXHAUSTIVE_PEERS, REL_TIE, Search, StageSpec  # noqa: F401
+
 DEVICE_KINDS = ("CPU", "GPU", "NPU")
 # Effective decode bandwidth (bytes/s) when a device was never calibrated:
 # conservative figures for an AI PC sharing LPDDR5 between CPU, iGPU and NPU.
 DEFAULT_BANDWIDTH_BYTES_PER_S = {"CPU": 40e9, "GPU": 60e9, "NPU": 30e9}
-# Weight precision labels, agreed across the team (exporter, planner, UI), most precise first.
-PRECISIONS = ("f32", "bf16", "fp16", "int8", "int4")
-AUTO = "auto"  # a request's "the most precise that fits" (choose_precision)
-# Bytes per element of a weight matrix at each precision, before scales (see weight_bytes_of).
-PRECISION_BYTES = {"f32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
-# What "auto" tries for a checkpoint of each dtype, most precise first: its own dtype
-# (never f32 for a half checkpoint: twice the bytes, no better), then int8, then int4.
-# fp16 after f32 halves an f32 checkpoint at no real loss; fp16 after bf16 is the same
-# size, so it cannot fit where bf16 does not.
-PRECISION_LADDERS = {"f32": ("f32", "fp16", "int8", "int4"), "bf16": ("bf16", "int8", "int4"),
-                     "fp16": ("fp16", "int8", "int4")}
-# How engine/pipeline/compress.py (NNCF) stores compressed weights, read back from exported
-# demo shards (Constant types and shapes of the IR):
-#   int8  INT8_ASYM per output channel: u8 [out, in] + f16 scale [out, 1] + u8 zero point [out, 1]
-#   int4  INT4_SYM, groups of 128 input channels: i4 [out, in/128, 128] + f16 scale [out, in/128, 1];
-#         NNCF's backup mode keeps the embedding (Gather), the LM head and whatever MatMul ends
-#         the shard's graph in int8 (a middle or first shard: its last layer's down projection)
-#   f32/bf16/fp16 weights at 4/2/2 bytes; norm weights and biases stay f32 in the IR (tiny).
-INT4_GROUP_SIZE = 128  # compress.INT4_GROUP_SIZE (a layer whose width is no multiple shrinks it: a few % more scales)
-SCALE_BYTES = 2  # one f16 scale per int4 group / int8 output channel
-ZERO_POINT_BYTES = 1  # one u8 zero point per int8 output channel (asymmetric)
-VECTOR_BYTES = 4  # 1-D weights (norms, biases) in the IR
 RETURN_BYTES = 8  # the last stage sends a token id (+ header) back, not logits
-MAX_EXHAUSTIVE_PEERS = 6  # try every peer order up to this many peers
 DEFAULT_PREFERENCE = ("GPU", "NPU", "CPU")
-_REL_TIE = 1e-6  # bottlenecks within this relative distance are a tie
-
-# ---------------------------------------------------------------- memory model
-# KV cache element type each device's plugin picks when the model does not say
-# (the IR's rt_info runtime_options; our shards carry none, optimum-intel IRs say f16
-# for unquantized models). Measured on this machine (OpenVINO 2026.4, AVX2 EPYC, no bf16):
-# a compiled shard reports KV_CACHE_PRECISION u8 by default, f32 with our exact mode
-# (INFERENCE_PRECISION_HINT=f32 + KV_CACHE_PRECISION=f32). GPU and NPU are f16 by their
-# plugins' documented defaults (not measured here: no such device).
-KV_DEFAULT_PRECISION = {"CPU": "u8", "GPU": "f16", "NPU": "f16"}
-KV_PRECISION_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "u8": 1.0, "i8": 1.0}
-# u8 KV keeps, per token, per head and for K and V alike, an f32 scale and an f32 zero
-# point (KEY/VALUE_CACHE_GROUP_SIZE 0 = one group per head): 8 bytes per head_dim elements.
-U8_KV_SCALE_BYTES = 8
-DEFAULT_HEAD_DIM = 128  # when a model does not say (Llama, Qwen, Mistral)
-
-# Runtime reserve of one worker: anonymous memory beyond its weights and KV. Measured with
-# engine/bench/_reserve.py (docs/planner.md) on middle shards of 205 MB-822 MB: a fresh
-# python + openvino (27 MB), the compiled shard and one 16-token inference hold 42-94 MB
-# beyond the shard file, whatever the precision and size (the CPU plugin repacks the
-# weights once: ~1.0 x the file, no part grows with them); the worker's own imports add 3 MB.
-RUNTIME_RESERVE_BYTES = 100_000_000
-RUNTIME_RESERVE_FRACTION = 0.0  # of the weights (measured ~0 beyond the 1.0 x copy)
-# Memory that grows with the context, measured with KV sweeps (prefill in 512-token chunks
-# to 4096 tokens, RssAnon per chunk; docs/planner.md) on two models that differ only in KV
-# heads (16 vs 2), u8 and exact f32 KV; the model below predicts their peaks within -4..+10 %:
-# - attention scores of a prefill chunk: SCORE_COPIES x f32 [heads, chunk, context]
-#   (one prefill at a time per worker: not per stream);
-# - u8 KV only: the past K and V of the layer being prefilled, dequantized to f32
-#   (DEQUANT_COPIES x 2 x kv_heads x head_dim x 4 bytes per token of context);
-# - u8 KV only: the cache grows by doubling and the replaced block stays resident, so
-#   right after a doubling it holds up to KV_U8_GROWTH x its nominal size (f32 KV grew
-#   smoothly: 4.0 bytes per element, no doubling jump);
-# - the MLP's [chunk, intermediate] f32 activations (gate and up).
-PREFILL_CHUNK = 512  # tokens per prefill call (the coordinator's prefill_chunk)
-SCORE_COPIES = 1.5  # fitted 1.3 (u8 runs) and 1.5 (f32 runs): the larger
-DEQUANT_COPIES = 1.25  # fitted on the u8 runs
-KV_U8_GROWTH = 2.0
-# OS reserve: RAM a peer leaves to its OS and owner on top of what is free now. Free
-# RAM (MemAvailable) counts every reclaimable cache page as free; taking all of it
-# evicts the code and files the desktop and the owner's idle programs need (they keep
-# allocating while the PC is shared), and the shard's own IR file pages are read
-# through that cache at load. 10 % of RAM, at least 1 GB: 1 GB on an 8 GB laptop,
-# 3.2 GB on a 32 GB desktop.
-OS_RESERVE_MIN_BYTES = 1_000_000_000
-OS_RESERVE_FRACTION = 0.10
-
-
-def check_precision(label: str, allow_auto: bool = False) -> str:
-    """label if it is a precision label (or "auto" when allowed), else ValueError."""
-    ok = label in PRECISION_BYTES or (allow_auto and label == AUTO)
-    _need(ok, f"weight_precision must be {'auto or ' if allow_auto else ''}one of {', '.join(PRECISIONS)}")
-    return label
-
-
-def precision_ladder(checkpoint: str) -> tuple[str, ...]:
-    """The precisions "auto" tries for a checkpoint of this dtype, most precise first."""
-    return PRECISION_LADDERS.get(checkpoint, PRECISION_LADDERS["f32"])
-
-
-def kv_element_bytes(device_kind: str, exact: bool = False, *, head_dim: int = DEFAULT_HEAD_DIM,
-                     ir_precision: str | None = None) -> float:
-    """Bytes one K or V element costs in the runtime's KV cache, its scales included.
-
-    exact: the worker runs in exact mode (f32 KV). ir_precision: the IR's own
-    runtime_options KV_CACHE_PRECISION ("f16", "u8"), which the plugin honours
-    over its default; None for our shards."""
-    if exact:
-        return KV_PRECISION_BYTES["f32"]
-    prec = ir_precision or KV_DEFAULT_PRECISION.get(device_kind, "f16")
-    if prec in ("u8", "i8"):
-        return 1.0 + U8_KV_SCALE_BYTES / max(1, head_dim)
-    return KV_PRECISION_BYTES.get(prec, 4.0)
-
-
-def os_reserve(ram_total_bytes: int) -> int:
-    """What a peer with ram_total_bytes of RAM leaves to its OS and owner."""
-    return max(OS_RESERVE_MIN_BYTES, math.ceil(OS_RESERVE_FRACTION * max(0, ram_total_bytes)))
-
-
-def prefill_scratch(num_heads: int, intermediate: int, context_length: int,
-                    chunk: int = PREFILL_CHUNK, dequant_kv_elements: int = 0) -> int:
-    """Activations of one prefill chunk at the end of the context, bytes: attention scores,
-    the MLP's intermediates and (u8 KV) one layer's past K + V dequantized to f32
-    (dequant_kv_elements = K + V elements per token of that layer)."""
-    c = min(chunk, context_length)
-    scores = SCORE_COPIES * num_heads * c * context_length
-    return math.ceil(4 * (scores + 2 * c * intermediate + DEQUANT_COPIES * dequant_kv_elements * context_length))
-
-
-def kv_growth(device_kind: str, exact: bool = False) -> float:
-    """Peak KV memory / its nominal size (u8 CPU cache: grows by doubling)."""
-    return KV_U8_GROWTH if not exact and KV_DEFAULT_PRECISION.get(device_kind) == "u8" else 1.0
 
 
 class PlanError(ValueError):
@@ -184,26 +78,6 @@ class PlanError(ValueError):
 
 
 # ---------------------------------------------------------------- helpers
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _need(cond: bool, why: str) -> None:
-    if not cond:
-        raise ValueError(why)
-
-
-def _floats(obj: object, *names: str) -> None:
-    """Store ints given for float fields as floats, so round trips compare equal."""
-    for n in names:
-        v = getattr(obj, n)
-        if _is_int(v):
-            object.__setattr__(obj, n, float(v))
-
 
 def gb(nbytes: float) -> str:
     """Decimal gigabytes with one decimal: 41_234_000_000 -> '41.2 GB'."""
@@ -349,39 +223,6 @@ class PeerProfile:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PeerProfile:
         return _from_dict(cls, d, devices=_tuple_of(DeviceProfile.from_dict))
-
-
-@dataclass(frozen=True)
-class WeightCounts:
-    """Parameters of some weight tensors, by how the exporter stores them."""
-
-    matrix: int = 0  # elements of 2-D+ tensors (Linear weights, embedding tables): int8/int4 compress these
-    rows: int = 0  # their output channels: int8 keeps one scale + zero point per row
-    vector: int = 0  # elements of 1-D tensors (norm weights, biases): f32 in the IR
-
-    def __post_init__(self) -> None:
-        for n in ("matrix", "rows", "vector"):
-            _need(_is_int(getattr(self, n)) and getattr(self, n) >= 0, f"weight count {n} must be an int >= 0")
-
-    @classmethod
-    def of(cls, v: Any) -> WeightCounts:
-        """From a WeightCounts, a ModelProfile ParamCounts or their dict."""
-        if isinstance(v, WeightCounts):
-            return v
-        get = v.get if isinstance(v, Mapping) else (lambda k, d=0: getattr(v, k, d))
-        return cls(int(get("matrix", 0)), int(get("rows", 0)), int(get("vector", 0)))
-
-
-def weight_bytes_of(counts: WeightCounts, precision: str, int8_backup: bool = False) -> int:
-    """Bytes of these weights in an IR at precision (int8_backup: int4's int8 exceptions)."""
-    m = counts.matrix
-    if precision == "int4" and not int8_backup:
-        mat = m * PRECISION_BYTES["int4"] + SCALE_BYTES * math.ceil(m / INT4_GROUP_SIZE)
-    elif precision in ("int8", "int4"):
-        mat = m * PRECISION_BYTES["int8"] + (SCALE_BYTES + ZERO_POINT_BYTES) * counts.rows
-    else:
-        mat = m * PRECISION_BYTES[precision]
-    return math.ceil(mat + VECTOR_BYTES * counts.vector)
 
 
 _LABEL_OF_BYTES = {4.0: "f32", 2.0: "bf16"}  # a profile that names no dtype: its width's usual label
@@ -604,7 +445,7 @@ class Stage:
     device: str  # device name on that peer ("GPU.0")
     start: int  # first layer (inclusive)
     end: int  # last layer + 1 (exclusive)
-    weight_bytes: int  # its layers (+ embeddings if first, + head if last) at the precision
+    weight_bytes: int  # its layers (+ embeddings if first, + head if last) at the precision: the shard
     kv_bytes: int  # KV for context_length * streams tokens over its layers, at the runtime's KV width
     runtime_reserve_bytes: int  # the worker's own memory: fixed part + prefill activations
     os_reserve_bytes: int  # left to the peer's OS and owner
@@ -615,11 +456,14 @@ class Stage:
     hop_ms: float  # predicted outgoing transfer per token
     predicted_ms_per_token: float  # compute + hop
     predicted_tok_s: float  # 1000 / predicted_ms_per_token: the stage's own cap
+    # The part of weight_bytes the device reads in place from the mapped shard file (a CPU
+    # stage 0's embedding table, plan_memory.EMBEDDING_MAPPED): on disk, not in total_bytes.
+    mapped_bytes: int = 0
 
     def __post_init__(self) -> None:
         _need(isinstance(self.peer_id, str) and isinstance(self.device, str), "bad stage peer/device")
         for n in ("start", "end", "weight_bytes", "kv_bytes", "runtime_reserve_bytes", "os_reserve_bytes",
-                  "total_bytes", "ram_free_bytes"):
+                  "total_bytes", "ram_free_bytes", "mapped_bytes"):
             _need(_is_int(getattr(self, n)), f"stage {n} must be an int")
         _need(isinstance(self.fits, bool), "stage fits must be a bool")
         for n in ("compute_ms", "hop_ms", "predicted_ms_per_token", "predicted_tok_s"):
@@ -636,9 +480,14 @@ class Stage:
         return self.runtime_reserve_bytes + self.os_reserve_bytes
 
     @property
+    def resident_weight_bytes(self) -> int:
+        """Weights the worker holds in its own memory: the shard but what stays mapped."""
+        return self.weight_bytes - self.mapped_bytes
+
+    @property
     def process_bytes(self) -> int:
-        """The worker process's predicted peak (anonymous memory): weights + KV + runtime reserve."""
-        return self.weight_bytes + self.kv_bytes + self.runtime_reserve_bytes
+        """The worker process's predicted peak (anonymous memory): resident weights + KV + runtime reserve."""
+        return self.resident_weight_bytes + self.kv_bytes + self.runtime_reserve_bytes
 
     @property
     def shortfall_bytes(self) -> int:
@@ -696,7 +545,6 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
-StageSpec = tuple[str, str, int, int]  # (peer_id, device, start, end)
 
 
 def stage_specs(plan_or_stages: Any) -> list[StageSpec]:
@@ -718,13 +566,14 @@ class StageMemory(NamedTuple):
     """A stage's memory parts, bytes."""
 
     weights: int  # its shard at the plan's precision
+    mapped: int  # the part of weights read in place from the mapped file (not in total)
     kv: int  # KV cache for context x streams over its layers
     runtime: int  # the worker's own memory (runtime_reserve)
     os: int  # left to the peer's OS and owner
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.runtime + self.os
+        return self.weights - self.mapped + self.kv + self.runtime + self.os
 
 
 class _Fleet:
@@ -782,14 +631,19 @@ class _Fleet:
         r = self.request.os_reserve_bytes
         return self.peers[peer_id].os_reserve_bytes() if r is None else r
 
+    def mapped(self, peer_id: str, device: str, first: bool) -> int:
+        """Embedding bytes a first stage on this device reads from the mapped file."""
+        return self.emb if first and embedding_mapped(self.peers[peer_id].device(device).kind) else 0
+
     def weights(self, s: int, e: int, first: bool, last: bool) -> int:
         return self.W[e] - self.W[s] + (self.emb if first else 0) + (self.head if last else self.tail)
 
     def memory(self, peer_id: str, device: str, s: int, e: int, first: bool, last: bool) -> StageMemory:
         """Memory of a stage over [s, e) on this peer's device."""
         w = self.weights(s, e, first, last)
-        rt = self.fixed(peer_id, device) + math.ceil(self.request.runtime_reserve_fraction * w)
-        return StageMemory(w, self.kv_layer(peer_id, device) * (e - s), rt, self.os(peer_id))
+        mapped = self.mapped(peer_id, device, first)
+        rt = self.fixed(peer_id, device) + math.ceil(self.request.runtime_reserve_fraction * (w - mapped))
+        return StageMemory(w, mapped, self.kv_layer(peer_id, device) * (e - s), rt, self.os(peer_id))
 
     def bw(self, peer_id: str, device: str) -> float:
         return self.peers[peer_id].device(device).bytes_per_ms(self.mean_layer)
@@ -827,7 +681,7 @@ class _Fleet:
             ms = comp + hop
             ram = self.peers[pid].ram_free_bytes
             stages.append(Stage(pid, dev, s, e, mem.weights, mem.kv, mem.runtime, mem.os, mem.total, ram,
-                                mem.total <= ram, comp, hop, ms, 1000.0 / ms))
+                                mem.total <= ram, comp, hop, ms, 1000.0 / ms, mem.mapped))
         cycle = sum(st.predicted_ms_per_token for st in stages)
         bott = max(st.predicted_ms_per_token for st in stages)
         r = self.request
@@ -838,111 +692,6 @@ class _Fleet:
 
 
 # ---------------------------------------------------------------- search
-class _Search:
-    """Exact min-bottleneck DP over layer boundaries for every peer order."""
-
-    def __init__(self, fleet: _Fleet, devices: Mapping[str, str]) -> None:
-        self.f, self.dev = fleet, devices
-        ids = sorted(devices)
-        self.bw = {p: fleet.bw(p, devices[p]) for p in ids}
-        self.exhaustive = len(ids) <= MAX_EXHAUSTIVE_PEERS
-        self.ids = ids if self.exhaustive else sorted(
-            ids, key=lambda p: (-self.bw[p], -fleet.peers[p].ram_free_bytes, p))
-        L = fleet.L
-        idx = np.arange(L + 1)
-        self.D = fleet.Wf[None, :] - fleet.Wf[:, None]  # D[s, e] = bytes of [s, e)
-        self.nl = idx[None, :] - idx[:, None]  # nl[s, e] = e - s
-        self._cache: dict = {}
-
-    def _mats(self, p: str, first: bool):
-        """Compute-ms matrix, fit mask (non-last), last-stage compute and fit vectors."""
-        key = (p, first)
-        if key not in self._cache:
-            f, bw, ram = self.f, self.bw[p], self.f.peers[p].ram_free_bytes
-            frac = f.request.runtime_reserve_fraction
-            kvl, base = f.kv_layer(p, self.dev[p]), f.fixed(p, self.dev[p]) + f.os(p)
-            emb = f.emb if first else 0
-
-            def fits(w, nl):  # the same sum as _Fleet.memory, for every range at once
-                tot = w + kvl * nl + base + np.ceil(frac * w)
-                return (nl > 0) & (tot <= ram)
-
-            comp = self.D / bw
-            ok = fits(self.D + emb + f.tail, self.nl)
-            w_last = self.D[:, -1] + emb + f.head
-            comp_last = (self.D[:, -1] + f.head) / bw
-            ok_last = fits(w_last, self.nl[:, -1])
-            self._cache[key] = (comp, ok, comp_last, ok_last)
-        return self._cache[key]
-
-    def _children(self, prefix: list[str]) -> list[str]:
-        if len(prefix) >= self.f.L:
-            return []
-        if self.exhaustive:
-            return [p for p in self.ids if p not in prefix]
-        return self.ids[len(prefix):len(prefix) + 1]
-
-    def _start(self) -> np.ndarray:
-        r = np.full(self.f.L + 1, np.inf)
-        r[0] = 0.0
-        return r
-
-    def bottlenecks(self) -> dict[int, float]:
-        """Best bottleneck per number of peers used (phase 1, branch and bound)."""
-        best: dict[int, float] = {}
-        bound = [np.inf]
-
-        def visit(prefix: list[str], R: np.ndarray) -> None:
-            p, first = prefix[-1], len(prefix) == 1
-            comp, ok, comp_last, ok_last = self._mats(p, first)
-            t_last = comp_last + self.f.hop_ms(p, prefix[0], True)
-            cand = float(np.where(ok_last, np.maximum(R, t_last), np.inf).min())
-            m = len(prefix)
-            if cand < best.get(m, np.inf):
-                best[m] = cand
-                bound[0] = min(bound[0], cand)
-            for q in self._children(prefix):
-                C = comp + self.f.hop_ms(p, q, False)
-                R2 = np.where(ok, np.maximum(R[:, None], C), np.inf).min(axis=0)
-                lo = R2.min()
-                if np.isfinite(lo) and lo <= bound[0] * (1 + _REL_TIE):
-                    visit(prefix + [q], R2)
-
-        for p in self._children([]):
-            visit([p], self._start())
-        return best
-
-    def cheapest(self, m: int, limit: float) -> list[StageSpec]:
-        """Plan with m peers, every stage <= limit, minimal cycle (phase 2)."""
-        best: list = [np.inf, None]
-
-        def visit(prefix: list[str], S: np.ndarray, back: list[np.ndarray]) -> None:
-            p, first = prefix[-1], len(prefix) == 1
-            comp, ok, comp_last, ok_last = self._mats(p, first)
-            if len(prefix) == m:
-                t_last = comp_last + self.f.hop_ms(p, prefix[0], True)
-                tot = np.where(ok_last & (t_last <= limit), S + t_last, np.inf)
-                s = int(np.argmin(tot))
-                if tot[s] < best[0] * (1 - 1e-12):
-                    starts = [s]
-                    for arr in reversed(back):
-                        starts.append(int(arr[starts[-1]]))
-                    starts.reverse()
-                    ends = starts[1:] + [self.f.L]
-                    best[:] = [float(tot[s]),
-                               [(q, self.dev[q], a, b) for q, a, b in zip(prefix, starts, ends)]]
-                return
-            for q in self._children(prefix):
-                C = comp + self.f.hop_ms(p, q, False)
-                M = np.where(ok & (C <= limit), S[:, None] + C, np.inf)
-                S2 = M.min(axis=0)
-                if S2.min() < best[0]:
-                    visit(prefix + [q], S2, back + [M.argmin(axis=0)])
-
-        for p in self._children([]):
-            visit([p], self._start(), [])
-        return best[1]
-
 
 def auto_plan(model: PlanModel, peers: Sequence[PeerProfile], request: PlanRequest,
               links: Links | None = None, device_preference: Sequence[str] = DEFAULT_PREFERENCE,
@@ -1010,7 +759,7 @@ def _plan_at(model: PlanModel, peers: Sequence[PeerProfile], request: PlanReques
         d = fleet.best_device(pid, device_preference, pinned)
         if d is not None:
             devices[pid] = d
-    search = _Search(fleet, devices)
+    search = Search(fleet, devices)
     per_m = search.bottlenecks() if devices else {}
     finite = {m: b for m, b in per_m.items() if math.isfinite(b)}
     if not finite:
@@ -1027,6 +776,6 @@ def _plan_at(model: PlanModel, peers: Sequence[PeerProfile], request: PlanReques
 
         raise infeasible_error(fleet, devices, device_preference, retry)
     best = min(finite.values())
-    m = min(k for k, b in finite.items() if b <= best * (1 + _REL_TIE))
-    limit = max(finite[m], best) * (1 + _REL_TIE)
+    m = min(k for k, b in finite.items() if b <= best * (1 + REL_TIE))
+    limit = max(finite[m], best) * (1 + REL_TIE)
     return fleet.build(search.cheapest(m, limit))

@@ -140,8 +140,13 @@ def validate_plan(plan_or_stages: Any, model: PlanModel, peers: Sequence[PeerPro
 
 
 def _parts(mem: Any) -> str:
-    return (f"weights {gb(mem.weights)} + KV {gb(mem.kv)} + runtime {gb(mem.runtime)} "
-            f"+ OS {gb(mem.os)}")
+    return (f"weights {gb(mem.weights - mem.mapped)} + KV {gb(mem.kv)} + runtime {gb(mem.runtime)} "
+            f"+ OS {gb(mem.os)}{_mapped_note(mem)}")
+
+
+def _mapped_note(mem: Any) -> str:
+    """The embedding that stays in the mapped shard file: on disk, not in the sum."""
+    return f"; the {gb(mem.mapped)} embedding is read from the mapped file" if mem.mapped else ""
 
 
 def _hint_text(hints: Sequence[FitHint]) -> str:
@@ -284,8 +289,8 @@ def infeasible_error(fleet: _Fleet, devices: Mapping[str, str], preference: Sequ
         short = need - free
         n = len(usable)
         msg = (f"{name} at {fleet.precision} needs {gb(need)} on {n} peer{'s' if n > 1 else ''} "
-               f"(weights {gb(whole.weights)} + KV {gb(whole.kv)} + runtime and OS reserves "
-               f"{gb(need - whole.weights - whole.kv)}); the fleet shares {gb(free)}: {gb(short)} short"
+               f"(weights {gb(whole.weights - whole.mapped)} + KV {gb(whole.kv)} + runtime and OS reserves "
+               f"{gb(need - (whole.weights - whole.mapped) - whole.kv)}{_mapped_note(whole)}); the fleet shares {gb(free)}: {gb(short)} short"
                f"{_hint_text(hints)}")
         return PlanError(msg, [PlanIssue(None, "fleet_memory", msg, short, tuple(hints))])
     msg = (f"{name} at {fleet.precision} needs {gb(need)} and the fleet shares {gb(free)}, but no split "
@@ -388,11 +393,11 @@ def memory_table(plan: Plan, peers: Sequence[PeerProfile] = ()) -> list[str]:
     out = [f"{plan.model_id}: {len(plan.stages)} stage(s), weights {plan.weight_precision}, context "
            f"{plan.context_length} x {plan.streams} stream(s){'' if plan.fits else ' -- DOES NOT FIT'}",
            "",
-           "| stage | peer | layers | weights | KV | runtime | OS | total | shares | fits |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| stage | peer | layers | weights (shard) | of which mapped | KV | runtime | OS | total | shares | fits |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, s in enumerate(plan.stages):
         out.append(f"| {i} | {names.get(s.peer_id, s.peer_id)} | {s.start}–{s.end} | {gb(s.weight_bytes)} | "
-                   f"{gb(s.kv_bytes)} | {gb(s.runtime_reserve_bytes)} | {gb(s.os_reserve_bytes)} | "
+                   f"{gb(s.mapped_bytes)} | {gb(s.kv_bytes)} | {gb(s.runtime_reserve_bytes)} | {gb(s.os_reserve_bytes)} | "
                    f"{gb(s.total_bytes)} | {gb(s.ram_free_bytes)} | {'yes' if s.fits else 'no'} |")
     return out
 

@@ -98,7 +98,8 @@ def describe_plan(plan: Plan, names: Mapping[str, str] | None = None, chosen: st
              + ("" if plan.fits else " -- DOES NOT FIT")]
     for i, s in enumerate(plan.stages):
         lines.append(f"  stage {i}: {names.get(s.peer_id, s.peer_id)} {s.device}, layers {s.start}–{s.end}, "
-                     f"{_size(s.total_bytes)} of {_size(s.ram_free_bytes)} (weights {_size(s.weight_bytes)} + "
+                     f"{_size(s.total_bytes)} of {_size(s.ram_free_bytes)} (weights {_size(s.resident_weight_bytes)} + "
                      f"KV {_size(s.kv_bytes)} + reserves {_size(s.margin_bytes)})"
+                     + (f"; embedding {_size(s.mapped_bytes)} read from the mapped file" if s.mapped_bytes else "")
                      + ("" if s.fits else " -- too big"))
     return lines

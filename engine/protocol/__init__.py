@@ -16,7 +16,7 @@ from engine.protocol.codec import (
     register,
     registered,
 )
-from engine.protocol.errors import ERROR_CODES, ProtocolError
+from engine.protocol.errors import ERROR_CODES, REFUSAL_REASONS, ProtocolError, Refusal
 from engine.protocol.frames import (
     DTYPES,
     MAX_TENSOR_BYTES,
@@ -50,12 +50,14 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MAX_TENSOR_BYTES",
     "PROTOCOL_VERSION",
+    "REFUSAL_REASONS",
     "ROLES",
     "ChatMessage",
     "ErrorReply",
     "FramedHeader",
     "GenerateRequest",
     "ProtocolError",
+    "Refusal",
     "SamplingParams",
     "TensorSpec",
     "Timings",

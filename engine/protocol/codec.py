@@ -216,7 +216,7 @@ def _build(cls: type, body: Any, path: str) -> Any:
     try:
         return cls(**kwargs)
     except ProtocolError as e:
-        raise ProtocolError(f"{path}: {e}", e.code) from None
+        raise ProtocolError(f"{path}: {e}", e.code, e.refusal) from None
     except Exception as e:  # a validator that raised something else is still bad input
         raise ProtocolError(f"{path}: invalid ({type(e).__name__}: {e})") from None
 
@@ -318,7 +318,8 @@ def _keys(keys: Any) -> str:
 # ---------------------------------------------------------------- built-ins
 
 for _cls in (_messages.ChatMessage, _messages.SamplingParams, _messages.GenerateRequest,
-             _messages.Usage, _messages.Timings, _messages.TokenEvent, _messages.ErrorReply):
+             _messages.Usage, _messages.Timings, _messages.TokenEvent, _messages.ErrorReply,
+             _messages.Refusal):
     register(_cls)
 del _cls
 

@@ -15,7 +15,7 @@ from engine.protocol._checks import is_num as _is_num
 from engine.protocol._checks import is_text as _is_text
 from engine.protocol._checks import require as _require
 from engine.protocol._checks import set_float as _set_float
-from engine.protocol.errors import ERROR_CODES, ProtocolError, one_line
+from engine.protocol.errors import ERROR_CODES, ProtocolError, Refusal, one_line
 
 ROLES = ("system", "user", "assistant")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -209,13 +209,14 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class ErrorReply:
-    """A peer's answer to input it could not handle. Built from a
-    ProtocolError with from_exception, or directly for non-wire failures."""
+    """A peer's answer to input it could not handle or work it will not take.
+    Built from a ProtocolError with from_exception, or directly for non-wire failures."""
 
     KIND: ClassVar[str] = "error_reply"
     request_id: str | None  # the request refused, when it could be read; else None
     code: str  # one of ERROR_CODES, for the other side to branch on
     message: str  # one-line human reason, safe to show; no internals
+    refusal: Refusal | None = None  # code "refused" only (and always): why, with the bytes, for programs
 
     def __post_init__(self) -> None:
         _require(self.request_id is None or _is_request_id(self.request_id), "bad request_id")
@@ -223,6 +224,10 @@ class ErrorReply:
                  f"code must be one of {ERROR_CODES}")
         _require(_is_text(self.message, MAX_ERROR_CHARS),
                  f"message must be a string of at most {MAX_ERROR_CHARS} characters")
+        _require(self.refusal is None or isinstance(self.refusal, Refusal), "refusal must be a Refusal or nil")
+        # A program reading "refused" always finds the reason; no other code carries one.
+        _require((self.code == "refused") == (self.refusal is not None),
+                 "a refusal goes with code 'refused', and only with it")
 
     @classmethod
     def from_exception(cls, exc: BaseException, request_id: str | None = None) -> ErrorReply:
@@ -231,5 +236,5 @@ class ErrorReply:
         deep inside an engine may leak paths or data."""
         rid = request_id if _is_request_id(request_id) else None
         if isinstance(exc, ProtocolError):
-            return cls(rid, exc.code, one_line(exc, MAX_ERROR_CHARS))
+            return cls(rid, exc.code, one_line(exc, MAX_ERROR_CHARS), getattr(exc, "refusal", None))
         return cls(rid, "internal", "internal error")

@@ -7,4 +7,7 @@ that an older peer could misread (a field added, removed, renamed or retyped, a
 rule tightened) bumps it, because decoding is strict about the field set.
 """
 
-PROTOCOL_VERSION: int = 3  # 2: SamplingParams.ignore_eos; 3: LoadRequest context_length/streams
+# 2: SamplingParams.ignore_eos; 3: LoadRequest context_length/streams;
+# 4: ErrorReply.refusal (a Refusal: reason, need_bytes, limit_bytes) with the new code "refused",
+#    which agents now answer where they said "overloaded" with the reason in the text
+PROTOCOL_VERSION: int = 4

@@ -89,7 +89,9 @@ def test_weights_combo_offers_every_precision_and_the_plan_uses_the_choice(edito
     # is well under a quarter of f32.
     assert all(s.weight_bytes < w / 4 for w, s in zip(f32_weights, view.plan.stages))
     bars = sorted(view.stage_box.findChildren(MemoryBar), key=lambda b: b.weights)
-    assert [b.weights for b in bars] == sorted(s.weight_bytes for s in view.plan.stages)
+    # each bar shows what the worker holds: stage 0's embedding stays in the mapped file on a CPU
+    assert [b.weights for b in bars] == sorted(s.resident_weight_bytes for s in view.plan.stages)
+    assert view.plan.stages[0].mapped_bytes > 0 and view.plan.stages[0].device == "CPU"
     assert "Weights <b>int4</b> (chosen)" in view.summary.text() and view.weights_used.text() == ""
     assert any("int4 weights" in w.text() for w in view.stage_box.findChildren(QLabel))  # the table's header
     # A boundary the user moved stays where it is when the precision changes.

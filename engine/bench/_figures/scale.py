@@ -41,6 +41,7 @@ def _memory_row(kind: str, prec: str) -> Row:
         _pair(src, p + "fleet.workers", "rss_anon_peak_bytes") + " (VmHWM " + _pair(src, p + "fleet.workers",
                                                                                    "peak_rss_bytes") + ")",
         _pair(src, p + "fleet.workers", "planned_process_bytes"),
+        _pair(src, p + "fleet.workers", "plan_vs_anon", "spct"),
     )
     return Row(prec, " | ".join(cells), HOW[src] + f", `precisions.{prec}`")
 
@@ -57,7 +58,7 @@ def memory_table(kind: str) -> Table:
     return Table(f"{kind}-memory", (
         "weights", "shard files (stage 0 / 1)", "exporter cap", "exporter peak anonymous (VmHWM, with mapped "
         "files)", "export time", "agent+worker cap", "worker peak anonymous (VmHWM)", "planned (process)",
-        "JSON field"),  # type: ignore[arg-type]
+        "plan vs anonymous peak", "JSON field"),  # type: ignore[arg-type]
         tuple(_memory_row(kind, p) for p in PRECISIONS))
 
 

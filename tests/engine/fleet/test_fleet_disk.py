@@ -111,8 +111,11 @@ def test_no_room_is_refused_before_anything_is_written(tmp_path):
             store = ShardStore(fs / "shards", reserve=MiB)
             with pytest.raises(NoRoom) as err:
                 await store.prepare("big", "a" * 64, 7 * MiB + 1)
-            assert err.value.code == "overloaded"
+            assert err.value.code == "refused" and err.value.refusal.reason == "disk"
             assert err.value.need == 7 * MiB + 1 and err.value.reserve == MiB
+            # On the wire: what must be free (to receive + kept free) against what is.
+            assert err.value.refusal.need_bytes == 8 * MiB + 1
+            assert err.value.refusal.limit_bytes == err.value.free and err.value.free <= 8 * MiB
             assert "7.3 MB to receive + 1.0 MB kept free" in str(err.value) and "MB free" in str(err.value)
             assert list((fs / "shards").iterdir()) == [] and store.list() == []
             # Room already promised to a transfer in flight counts too.
@@ -135,7 +138,7 @@ def test_a_disk_that_fills_up_meanwhile_stops_the_transfer_resumably(tmp_path):
             (fs / "other-program").write_bytes(b"x" * (5 * MiB))  # someone else fills the disk
             with pytest.raises(NoRoom) as err:
                 await send(store, data, sha, 256 * 1024, start=have)
-            assert err.value.code == "overloaded"
+            assert err.value.code == "refused" and err.value.refusal.reason == "disk"
             (fs / "other-program").unlink()
             cached, resume_at = await store.prepare("s", sha, len(data))
             assert not cached and have < resume_at < len(data)  # what reached the disk is kept
@@ -311,7 +314,7 @@ def test_a_peer_without_disk_space_refuses_before_the_transfer(tmp_path, demo_di
     pytest.importorskip("openvino")
     pytest.importorskip("torch")
     from engine.fleet.discovery import INFO_OFFSET, Peer, async_query_info
-    from engine.fleet.launch import LaunchConfig, launch_fleet
+    from engine.fleet.launch import LaunchConfig, StageRefused, launch_fleet
 
     demo_dir("demo")
     me = KeyPair.generate()
@@ -336,7 +339,7 @@ def test_a_peer_without_disk_space_refuses_before_the_transfer(tmp_path, demo_di
             peers = asyncio.run(setup())
             cfg = LaunchConfig(model="demo", stages=2, device_preference=("CPU",),
                                controller_host="127.0.0.1", recover=False)
-            with pytest.raises(FleetError) as err:
+            with pytest.raises(StageRefused) as err:
                 launch_fleet(me, peers, cfg)
 
             async def statuses():
@@ -353,10 +356,20 @@ def test_a_peer_without_disk_space_refuses_before_the_transfer(tmp_path, demo_di
         finally:
             for a in procs:
                 a.stop()
-    msg = str(err.value)
-    assert "\n" not in msg
-    assert f"{peers[1].info.hostname} ({peers[1].info.fingerprint}) cannot take shard" in msg
-    assert "not enough disk space" in msg and "MB free" in msg and "[overloaded]" in msg
+    # The agent's Refusal reached the launcher as fields: the stage, its peer, disk, the bytes.
+    assert isinstance(err.value, FleetError)  # and a PlanError: the plan cannot run on this fleet
+    [r] = err.value.refusals
+    assert (r.peer, r.fingerprint, r.step, r.refusal.reason) == (peers[1].info.hostname,
+                                                                 peers[1].info.fingerprint, "prepare", "disk")
+    free = r.refusal.limit_bytes
+    assert 0 < free <= 256 * 1024 + DISK_MARGIN < r.refusal.need_bytes  # the tmpfs's room, against shard + margin
+    assert [(i.stage, i.code, i.shortfall_bytes) for i in err.value.issues] == [
+        (r.stage, "disk", r.refusal.need_bytes - free)]
+    msg = str(err.value)  # one line from those fields
+    assert "\n" not in msg and msg == r.line()
+    assert msg.startswith(f"{peers[1].info.hostname} ({peers[1].info.fingerprint}) refused stage {r.stage} "
+                          f"(layers {r.start}–{r.end} on CPU): not enough free disk for the shard: needs ")
+    assert f"{free / 1e6:.1f} MB free" in msg
     assert peers[0].info.fingerprint not in msg
     assert refused.shards == ()  # nothing announced or written on the full peer
     assert all(s.have_bytes == 0 for s in ok.shards)  # and no chunk went anywhere

@@ -255,3 +255,55 @@ def test_new_wire_fields_are_validated():
     assert StageConfigure("tcp://10.0.0.1:5000", 0, 2, "stage 0").next_key == ""
     with pytest.raises(ProtocolError):
         StageConfigure("tcp://10.0.0.1:5000", 0, 2, "stage 0", "short")
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_a_refused_stage_is_reported_from_the_refusal_fields():
+    """The launcher's error for a stage an agent refused comes from the Refusal's
+    fields (the agent's text is for its log), names stage, peer, device, reason and
+    numbers on one line, and reports every refusing stage at once."""
+    from engine.fleet.client import AgentRefused, FleetError
+    from engine.fleet.launch import _raise_refusals, _refused, _Stage
+    from engine.fleet.refusal import StageRefused, describe
+    from engine.pipeline.plan import PlanError
+    from engine.protocol.errors import BYTE_REASONS, REFUSAL_REASONS, Refusal
+    from engine.protocol.messages import ErrorReply
+
+    def refused(refusal: Refusal, text: str = "needs 3.12 GB [ram] 9 GB") -> AgentRefused:
+        return AgentRefused(ErrorReply("r", "refused", text, refusal))
+
+    laptop = Peer(_info("a" * 32, KeyPair.generate().public, 10**9), ("10.0.0.1",), "manual", 0)
+    st1 = _Stage(1, laptop, "GPU.0", 16, 32)
+    e = _refused(st1, refused(Refusal("policy_cap", 3_120_000_000, 2_000_000_000)), "load")
+    assert isinstance(e, StageRefused) and isinstance(e, PlanError) and isinstance(e, FleetError)
+    assert str(e) == ("pc (0000000000000000) refused stage 1 (layers 16–32 on GPU.0): over its owner's "
+                      "RAM limit for fleet work: needs 3.12 GB, the limit leaves 2.00 GB")
+    [r] = e.refusals
+    assert (r.stage, r.step, r.device, r.refusal.reason) == (1, "load", "GPU.0", "policy_cap")
+    assert [(i.stage, i.code, i.shortfall_bytes) for i in e.issues] == [(1, "policy_cap", 1_120_000_000)]
+
+    st0 = _Stage(0, laptop, "CPU", 0, 16)
+    disk = _refused(st0, refused(Refusal("disk", 9_000_000_000, 512_300_000)), "prepare")
+    with pytest.raises(StageRefused) as both:
+        _raise_refusals([None, e, disk])
+    assert [(r.stage, r.refusal.reason) for r in both.value.refusals] == [(0, "disk"), (1, "policy_cap")]
+    assert str(both.value) == f"{disk}; {e}" and "\n" not in str(both.value)
+    assert "not enough free disk for the shard: needs 9.00 GB, 512.3 MB free" in str(disk)
+
+    # Any other answer names the peer with the agent's line and code, and is no refusal.
+    lost = _refused(st0, AgentRefused(ErrorReply("r", "not_found", "shard not cached here")), "load")
+    assert type(lost) is FleetError
+    assert str(lost) == "pc (0000000000000000) cannot take stage 0 (layers 0–16): shard not cached here (not_found)"
+    with pytest.raises(FleetError) as mixed:
+        _raise_refusals([e, lost])
+    assert not isinstance(mixed.value, StageRefused) and str(mixed.value) == f"{e}; {lost}"
+    _raise_refusals([None, None])  # no stage failed
+
+    # Every reason reads as words; only the byte reasons have numbers.
+    for reason in REFUSAL_REASONS:
+        text = describe(Refusal(reason, *((2_000_000, 1_000_000) if reason in BYTE_REASONS else (0, 0))))
+        assert text and ("needs 2.0 MB" in text) == (reason in BYTE_REASONS)
+    assert describe(Refusal("ram", 3_100_000_000, 2_000_000_000)) == (
+        "not enough free RAM: needs 3.10 GB, 2.00 GB free after the OS reserve")

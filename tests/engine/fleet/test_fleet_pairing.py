@@ -18,9 +18,12 @@ import zmq
 import zmq.asyncio
 
 from engine.fleet.client import AgentClient, AgentRefused, FleetError, NotPaired, sha256_file
+from engine.fleet.policy import SharingPolicy
+from engine.pipeline.plan import RUNTIME_RESERVE_BYTES
 from engine.fleet.security import KeyPair, curve_client
 from engine.protocol.codec import decode, encode
 from engine.protocol.control import LoadRequest, StatusRequest
+from engine.protocol.errors import Refusal
 from engine.protocol.messages import ErrorReply
 from tests.engine.fleet.fleet_helpers import AgentProc, free_port, pair, process_gone
 
@@ -86,12 +89,25 @@ def test_paired_controller_drives_agent_unpaired_refused(agent, tmp_path):
             assert await _ask_worker(port) == f"ready {sha} CPU".encode()
             st = await client.status()
             assert [s.state for s in st.shards if s.sha256 == sha] == ["running"]
-            # Policy: a device family the owner did not share is refused.
-            with pytest.raises(AgentRefused, match="not shared"):
+            # Policy: a device family the owner did not share is refused, the reason in fields.
+            with pytest.raises(AgentRefused, match="not shared") as no:
                 await client.load(sha, "NPU", 0)
+            assert no.value.code == "refused" and no.value.refusal == Refusal("device")
             gone = await client.unload(sha)
             assert gone.shard.state == "exited"
             assert process_gone(pid)
+            # The owner lowers the RAM cap for fleet work below this worker: refused with the bytes.
+            SharingPolicy(max_cpu_percent_to_start=100.0, devices=("CPU", "GPU"), max_ram_gb=0.001).save(agent.config)
+            for _ in range(100):  # the agent reloads its policy on its next beat
+                if (await client.status()).info.ram_available <= 1_000_000:
+                    break
+                await asyncio.sleep(0.1)
+            with pytest.raises(AgentRefused) as cap:
+                await client.load(sha, "CPU", free_port())
+            assert cap.value.code == "refused"
+            assert cap.value.refusal == Refusal("policy_cap", shard.stat().st_size + RUNTIME_RESERVE_BYTES, 1_000_000)
+            assert "RAM limit of 0.001 GB" in cap.value.reply.message
+            assert [s.state for s in (await client.status()).shards if s.sha256 == sha] == ["exited"]  # none started
         finally:
             client.close()
 

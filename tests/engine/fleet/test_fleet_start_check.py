@@ -44,6 +44,14 @@ def test_refusals_carry_a_code_and_numbers():
     assert d.code == "policy_cap" and d.limit_bytes == 4 * GB
     assert check_start(SharingPolicy(enabled=False), state(), "CPU", GB, 0).code == "not_sharing"
     assert check_start(SharingPolicy(devices=("CPU",)), state(), "NPU", GB, 0).code == "device"
+    # Each refusal has its wire form: the reason and, for memory, the bytes.
+    from engine.protocol.errors import Refusal
+
+    assert d.refusal() == Refusal("policy_cap", mid.total, 4 * GB)
+    off = check_start(SharingPolicy(enabled=False), state(), "CPU", GB, 0)
+    assert off.refusal() == Refusal("not_sharing") and off.message() == "not sharing now: sharing is switched off"
+    busy = check_start(SharingPolicy(max_cpu_percent_to_start=1.0), state(), "CPU", GB, 0)
+    assert busy.refusal() == Refusal("cpu_busy") and busy.message() == busy.reason
 
 
 def test_the_agent_sizes_a_load_by_the_plans_context_and_streams(tmp_path):
@@ -56,7 +64,7 @@ def test_the_agent_sizes_a_load_by_the_plans_context_and_streams(tmp_path):
 
     from engine.fleet.agent import Agent
     from engine.protocol.control import LoadRequest
-    from engine.protocol.errors import ProtocolError
+    from engine.protocol.errors import ProtocolError, Refusal
 
     (tmp_path / "shard.json").write_text(json.dumps(MANIFEST))
     agent = SimpleNamespace(policy=SharingPolicy(max_ram_gb=8), state=state(avail=15 * GB),
@@ -67,4 +75,6 @@ def test_the_agent_sizes_a_load_by_the_plans_context_and_streams(tmp_path):
     big = LoadRequest("r2", "b" * 64, "CPU", 0, True, (), 32768, 4)  # 17 GB of f32 KV
     with pytest.raises(ProtocolError) as e:
         Agent._check_memory(agent, big, meta, tmp_path)
-    assert "[policy_cap]" in str(e.value) and "RAM limit of 8 GB" in str(e.value)
+    need = start_need(4 * GB, MANIFEST, "CPU", True, 32768, 4).total
+    assert e.value.code == "refused" and e.value.refusal == Refusal("policy_cap", need, 8 * GB)
+    assert "RAM limit of 8 GB" in str(e.value) and "[" not in str(e.value)  # the line is for people only

@@ -127,14 +127,14 @@ def test_infeasible_fleet_says_needed_and_available():
     m, peers, req = infeasible_setup()
     with pytest.raises(PlanError) as e:
         auto_plan(m, peers, req)
-    assert str(e.value) == ("demo at bf16 needs 10.8 GB on 2 peers (weights 9.0 GB + KV 0.8 GB + runtime and "
-                            "OS reserves 1.0 GB); the fleet shares 8.0 GB: 2.8 GB short; it fits with int8 "
-                            "weights or another peer sharing 4.4 GB")
+    assert str(e.value) == ("demo at bf16 needs 10.3 GB on 2 peers (weights 8.5 GB + KV 0.8 GB + runtime and "
+                            "OS reserves 1.0 GB; the 0.5 GB embedding is read from the mapped file); the fleet "
+                            "shares 8.0 GB: 2.3 GB short; it fits with int8 weights or another peer sharing 3.3 GB")
     (issue,) = e.value.issues
-    assert (issue.code, issue.stage, issue.shortfall_bytes) == ("fleet_memory", None, int(2.8 * GB))
+    assert (issue.code, issue.stage, issue.shortfall_bytes) == ("fleet_memory", None, int(2.3 * GB))
     weights, extra = issue.hints
     assert (weights.code, weights.weight_precision) == ("weights", "int8")
-    assert extra.code == "add_peer" and 4.3 * GB <= extra.ram_bytes <= 4.4 * GB
+    assert extra.code == "add_peer" and 3.2 * GB <= extra.ram_bytes <= 3.3 * GB
     # Each hint is true: the change it names makes the plan fit.
     assert auto_plan(m, peers, PlanRequest(**{**req.to_dict(), "weight_precision": "int8"})).fits
     assert auto_plan(m, peers + [peer("new", extra.ram_bytes)], req).fits
@@ -194,7 +194,7 @@ def test_runtime_and_os_reserves_count():
     req = bare(runtime_reserve_bytes=100, runtime_reserve_fraction=0.1, os_reserve_bytes=7)
     st = auto_plan(model(2), [peer("a", 100 * GB)], req).stages[0]
     assert st.runtime_reserve_bytes == 100 + math.ceil(0.1 * 2 * GB) and st.os_reserve_bytes == 7
-    assert st.total_bytes == st.weight_bytes + st.kv_bytes + st.runtime_reserve_bytes + 7
+    assert st.total_bytes == st.weight_bytes - st.mapped_bytes + st.kv_bytes + st.runtime_reserve_bytes + 7
     assert st.margin_bytes == st.runtime_reserve_bytes + 7
     assert st.process_bytes == st.total_bytes - 7  # what the worker process itself holds
 
@@ -441,8 +441,9 @@ def test_property_random_fleets(f):
     except PlanError as e:
         assert "GB" in str(e)
         # Nothing fits: in particular no single peer holds the whole model.
-        for p in peers:
-            ok = validate_plan([(p.peer_id, "CPU", 0, n)], m, peers, req) == []
+        for p in peers:  # on the device the planner picks (a GPU holds the embedding, a CPU maps it)
+            dev = "GPU.0" if p.device("GPU.0") else "CPU"
+            ok = validate_plan([(p.peer_id, dev, 0, n)], m, peers, req) == []
             assert not ok
         return
     assert covers(plan, n) and plan.fits

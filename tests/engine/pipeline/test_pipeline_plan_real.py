@@ -61,14 +61,19 @@ def test_70b_over_four_32gb_peers(llama70):
     assert sum(s.weight_bytes for s in int4.stages) == pytest.approx(37.7e9, rel=0.01)
     for s in int4.stages:
         assert s.os_reserve_bytes == os_reserve(32 * GB) == int(3.2 * GB)
-        assert s.total_bytes == s.weight_bytes + s.kv_bytes + s.runtime_reserve_bytes + s.os_reserve_bytes
+        assert s.total_bytes == (s.weight_bytes - s.mapped_bytes + s.kv_bytes + s.runtime_reserve_bytes
+                                 + s.os_reserve_bytes)
+    # Stage 0's int8 embedding (one scale + zero point per row) stays in the mapped file on a CPU
+    assert [s.mapped_bytes for s in int4.stages] == [128256 * 8192 + 3 * 128256, 0, 0, 0]
     label, auto = choose_precision(llama70, fleet, PlanRequest())
     assert label == auto.weight_precision == "int8" and auto.fits  # bf16 (141 GB) cannot
     with pytest.raises(PlanError) as e:
         auto_plan(llama70, fleet, PlanRequest(weight_precision="fp16"))
     (issue,) = e.value.issues
-    assert issue.code == "fleet_memory" and issue.shortfall_bytes > 30 * GB
-    assert "needs" in str(e.value) and "141.1 GB" in str(e.value) and "128.0 GB" in str(e.value)
+    assert issue.code == "fleet_memory" and issue.shortfall_bytes > 29 * GB
+    # 141.1 GB of fp16 weights, all held but stage 0's 2.1 GB embedding
+    assert "weights 139.0 GB" in str(e.value) and "2.1 GB embedding" in str(e.value)
+    assert "needs" in str(e.value) and "128.0 GB" in str(e.value)
     hints = {h.code: h for h in issue.hints}
     assert hints["weights"].weight_precision == "int8"
     assert "context" not in hints  # no context makes 141 GB of weights fit in 128 GB
@@ -85,7 +90,9 @@ def test_8b_over_two_8gb_peers(llama8):
     assert label == "int8" and auto.fits
     with pytest.raises(PlanError) as e:
         auto_plan(llama8, fleet, PlanRequest(weight_precision="fp16"))
-    assert "16.1 GB" in str(e.value) and "16.0 GB" in str(e.value) and "int8 weights" in str(e.value)
+    # 16.1 GB of fp16 weights, of which stage 0 holds all but the 1.1 GB embedding (read from the mapped file)
+    assert "weights 15.0 GB" in str(e.value) and "1.1 GB embedding" in str(e.value)
+    assert "16.0 GB" in str(e.value) and "int8 weights" in str(e.value)
 
 
 def test_a_stage_too_big_names_itself_the_shortfall_and_computed_fixes(llama8):
@@ -137,3 +144,24 @@ def test_int4_bytes_per_tensor_kind(llama8):
     # last layer's down projection int8 too.
     assert llama8.embedding_weight_bytes("int4") == llama8.embedding_weight_bytes("int8")
     assert llama8.tail_extra_bytes("int4") > 0 == llama8.tail_extra_bytes("int8")
+
+
+@pytest.mark.parametrize("precision", ["int4", "int8", "fp16"])
+def test_the_agent_sizes_a_first_stage_as_the_planner_does(llama8, precision):
+    """The planner's stage 0 and the agent's start check (from the shard's manifest) count the
+    same resident memory: the embedding stays in the mapped file on a CPU, on a GPU it is held."""
+    from engine.fleet.policy import start_need
+
+    gpu = PeerProfile("g", "gpu-pc", (DeviceProfile("GPU", "GPU.0"),), 64 * GB, 64 * GB)
+    for fleet, kind in ((peers(2, 16), "CPU"), ([gpu, *peers(1, 16)], "GPU")):
+        plan = auto_plan(llama8, fleet, PlanRequest(weight_precision=precision, context_length=2048, streams=2))
+        s0 = plan.stages[0]
+        assert s0.start == 0 and s0.device.startswith(kind)
+        table = 128256 * 4096 * (2 if precision == "fp16" else 1) + (0 if precision == "fp16" else 3 * 128256)
+        assert s0.mapped_bytes == (table if kind == "CPU" else 0)
+        assert all(s.mapped_bytes == 0 for s in plan.stages[1:])
+        manifest = {"start": 0, "end": s0.end, "head_dim": 128, "num_kv_heads": 8, "hidden_size": 4096,
+                    "vocab_size": 128256, "precision": precision}
+        need = start_need(s0.weight_bytes, manifest, s0.device, False, 2048, 2)
+        assert need.weights == s0.resident_weight_bytes
+        assert need.kv == s0.kv_bytes

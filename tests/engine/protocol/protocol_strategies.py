@@ -25,7 +25,7 @@ from engine.protocol import (
     Usage,
     encode,
 )
-from engine.protocol.errors import ERROR_CODES
+from engine.protocol.errors import BYTE_REASONS, ERROR_CODES, REFUSAL_REASONS, Refusal
 from engine.protocol.messages import MAX_NEW_TOKENS, MAX_TOKEN_ID
 
 # Fast, reproducible, no example database written into the shared tree.
@@ -84,9 +84,20 @@ def token_events(draw: st.DrawFn) -> TokenEvent:
     )
 
 
-error_replies = st.builds(ErrorReply, request_id=st.none() | ids,
-                          code=st.sampled_from(ERROR_CODES),
-                          message=st.text(alphabet=_chars, max_size=100))
+@st.composite
+def refusals(draw: st.DrawFn) -> Refusal:
+    reason = draw(st.sampled_from(REFUSAL_REASONS))
+    if reason not in BYTE_REASONS:  # only the byte reasons carry counts
+        return Refusal(reason)
+    counts = st.integers(0, 2**63 - 1)
+    return Refusal(reason, draw(counts), draw(counts))
+
+
+@st.composite
+def error_replies(draw: st.DrawFn) -> ErrorReply:
+    code = draw(st.sampled_from(ERROR_CODES))
+    return ErrorReply(draw(st.none() | ids), code, draw(st.text(alphabet=_chars, max_size=100)),
+                      draw(refusals()) if code == "refused" else None)
 
 
 @st.composite
@@ -97,7 +108,7 @@ def tensor_specs(draw: st.DrawFn) -> TensorSpec:
 
 
 plain_messages = st.one_of(chat_messages, sampling_params, generate_requests(), usages,
-                           timings, token_events(), error_replies)
+                           timings, token_events(), error_replies(), refusals())
 
 
 @st.composite

@@ -16,10 +16,12 @@ from protocol_strategies import FAST, all_messages, pack, wire
 from engine.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    REFUSAL_REASONS,
     ChatMessage,
     ErrorReply,
     GenerateRequest,
     ProtocolError,
+    Refusal,
     SamplingParams,
     Timings,
     TokenEvent,
@@ -137,6 +139,17 @@ INVALID_MESSAGES = {
     "reply_code": lambda: ErrorReply(None, "nope", "x"),
     "reply_message_type": lambda: ErrorReply(None, "internal", None),
     "reply_request_id": lambda: ErrorReply("", "internal", "x"),
+    "reply_refused_without_refusal": lambda: ErrorReply("r", "refused", "x"),
+    "reply_refusal_with_other_code": lambda: ErrorReply("r", "overloaded", "x", Refusal("cpu_busy")),
+    "reply_refusal_type": lambda: ErrorReply("r", "refused", "x", {"reason": "ram"}),
+    "refusal_reason_unknown": lambda: Refusal("tired"),
+    "refusal_reason_type": lambda: Refusal(None),
+    "refusal_need_negative": lambda: Refusal("ram", -1, 0),
+    "refusal_limit_negative": lambda: Refusal("disk", 10, -1),
+    "refusal_need_bool": lambda: Refusal("policy_cap", True, 0),
+    "refusal_need_float": lambda: Refusal("policy_cap", 1.0, 0),
+    "refusal_need_over_64_bits": lambda: Refusal("disk", 2**63, 0),
+    "refusal_bytes_on_a_reason_without_bytes": lambda: Refusal("device", 5, 0),
 }
 
 
@@ -158,6 +171,10 @@ def test_valid_edges_are_accepted() -> None:
 
 def _event() -> TokenEvent:
     return TokenEvent("r", "hi", (1, 2), "stop", Usage(3, 2), Timings(0.0, 0.1, 0.2, 10.0))
+
+
+def _refused() -> ErrorReply:
+    return ErrorReply("r", "refused", "needs 3.1 GB", Refusal("policy_cap", 3_100_000_000, 2_000_000_000))
 
 
 def _req() -> GenerateRequest:
@@ -227,6 +244,16 @@ BAD_WIRE = {
     "event_timing_nan": (_event, _set(["b", "timings", "ttft_s"], math.nan), "malformed"),
     "event_timing_str": (_event, _set(["b", "timings", "ttft_s"], "0"), "malformed"),
     "event_not_final_usage": (_event, _set(["b", "finish_reason"], None), "malformed"),
+    "refusal_reason_unknown": (_refused, _set(["b", "refusal", "reason"], "tired"), "malformed"),
+    "refusal_need_negative": (_refused, _set(["b", "refusal", "need_bytes"], -1), "malformed"),
+    "refusal_limit_negative": (_refused, _set(["b", "refusal", "limit_bytes"], -3), "malformed"),
+    "refusal_need_float": (_refused, _set(["b", "refusal", "need_bytes"], 3.0), "malformed"),
+    "refusal_need_str": (_refused, _set(["b", "refusal", "need_bytes"], "3 GB"), "malformed"),
+    "refusal_missing": (_refused, _drop(["b", "refusal"]), "malformed"),
+    "refusal_field_missing": (_refused, _drop(["b", "refusal", "limit_bytes"]), "malformed"),
+    "refusal_field_extra": (_refused, _set(["b", "refusal", "used_bytes"], 1), "malformed"),
+    "refusal_nil_when_refused": (_refused, _set(["b", "refusal"], None), "malformed"),
+    "refusal_with_other_code": (_refused, _set(["b", "code"], "overloaded"), "malformed"),
 }
 
 
@@ -307,8 +334,30 @@ def test_error_reply_from_exception() -> None:
     assert reply.code == "version" and reply.request_id == "r1"
     hidden = ErrorReply.from_exception(RuntimeError("/secret/path"), "")
     assert hidden == ErrorReply(None, "internal", "internal error")
-    assert decode(encode(reply)) == reply
+    assert decode(encode(reply)) == reply and reply.refusal is None
     assert ProtocolError("x", "not-a-code").code == "malformed"
+
+
+def test_a_refusal_travels_as_fields() -> None:
+    """A peer that will not take work says why in fields a program branches on;
+    the message stays the line for people."""
+    e = ProtocolError("needs 3.10 GB but the RAM limit of 2 GB leaves 2.00 GB",
+                      refusal=Refusal("policy_cap", 3_100_000_000, 2_000_000_000))
+    assert e.code == "refused" and e.refusal.shortfall_bytes == 1_100_000_000
+    reply = ErrorReply.from_exception(e, "r1")
+    back = decode(encode(reply))
+    assert back == reply and back.code == "refused" and back.message == str(e)
+    assert back.refusal == Refusal("policy_cap", 3_100_000_000, 2_000_000_000)
+    assert wire(reply)["b"]["refusal"] == {"reason": "policy_cap", "need_bytes": 3_100_000_000,
+                                           "limit_bytes": 2_000_000_000}
+    assert wire(ErrorReply("r", "internal", "x"))["b"]["refusal"] is None
+    for reason in REFUSAL_REASONS:  # every documented reason is accepted and round-trips
+        counts = (7, 5) if reason in ("policy_cap", "ram", "disk") else (0, 0)
+        r = ErrorReply(None, "refused", reason, Refusal(reason, *counts))
+        assert decode(encode(r)) == r
+    assert REFUSAL_REASONS == ("not_sharing", "device", "policy_cap", "ram", "cpu_busy", "disk")
+    with pytest.raises(TypeError):  # "refused" without the fields is a bug in the caller, loudly
+        ProtocolError("no", "refused")
 
 
 # ---------------------------------------------------------------- registry
