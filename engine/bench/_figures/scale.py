@@ -16,6 +16,8 @@ FULL, QUICK = "scale", "scale-quick"
 PRECISIONS = ("int4", "int8", "fp16")
 # The folder each precision's figures come from: one folder per run kind.
 SOURCES = {QUICK: {p: QUICK for p in PRECISIONS}, FULL: {"int4": FULL, "int8": "scale-int8", "fp16": "scale-fp16"}}
+# The runs that measured the planner with the context filled (bench scale's fill run), by precision.
+PLAN_SOURCES: dict[str, dict[str, str]] = {FULL: {"int4": FULL, "int8": "scale-int8"}}
 HOW = {FULL: "`flotilla bench scale`", QUICK: "`flotilla bench scale --quick`", "scale-int8": "`flotilla bench scale`",
        "scale-fp16": "`flotilla bench scale`"}
 
@@ -41,7 +43,6 @@ def _memory_row(kind: str, prec: str) -> Row:
         _pair(src, p + "fleet.workers", "rss_anon_peak_bytes") + " (VmHWM " + _pair(src, p + "fleet.workers",
                                                                                    "peak_rss_bytes") + ")",
         _pair(src, p + "fleet.workers", "planned_process_bytes"),
-        _pair(src, p + "fleet.workers", "plan_vs_anon", "spct"),
     )
     return Row(prec, " | ".join(cells), HOW[src] + f", `precisions.{prec}`")
 
@@ -58,8 +59,27 @@ def memory_table(kind: str) -> Table:
     return Table(f"{kind}-memory", (
         "weights", "shard files (stage 0 / 1)", "exporter cap", "exporter peak anonymous (VmHWM, with mapped "
         "files)", "export time", "agent+worker cap", "worker peak anonymous (VmHWM)", "planned (process)",
-        "plan vs anonymous peak", "JSON field"),  # type: ignore[arg-type]
+        "JSON field"),  # type: ignore[arg-type]
         tuple(_memory_row(kind, p) for p in PRECISIONS))
+
+
+def _plan_row(src: str, prec: str) -> Row:
+    p = f"precisions.{prec}."
+    cells = (_pair(src, p + "fleet.workers", "planned_process_bytes"),
+             _pair(src, p + "fleet.workers", "rss_anon_peak_bytes"),
+             _pair(src, p + "fleet.workers", "plan_vs_anon", "spct"),
+             f"{_f(src, p + 'fleet.fill.streams', 'int')} × {_f(src, p + 'fleet.fill.prompt_tokens', 'int')}")
+    return Row(prec, " | ".join(cells), HOW[src] + f", `precisions.{prec}.fleet`")
+
+
+def plan_table(kind: str) -> Table:
+    """The planner's process memory against each worker's measured anonymous peak, from the runs
+    that filled the planned context (only those: a run with a short prompt never reaches the
+    KV and prefill memory the plan reserves)."""
+    return Table(f"{kind}-plan", (
+        "weights", "planned process memory (stage 0 / 1)", "measured anonymous peak", "plan vs measured",
+        "fill run: streams × prompt tokens", "JSON field"),  # type: ignore[arg-type]
+        tuple(_plan_row(src, prec) for prec, src in PLAN_SOURCES[kind].items()))
 
 
 def speed_table(kind: str) -> Table:
@@ -84,7 +104,7 @@ def checkpoint_table(src: str) -> Table:
     ))
 
 
-READY = (checkpoint_table(FULL), memory_table(FULL), speed_table(FULL),
+READY = (checkpoint_table(FULL), memory_table(FULL), plan_table(FULL), speed_table(FULL),
          checkpoint_table(QUICK), memory_table(QUICK), speed_table(QUICK))
 
 FILE = REPO_ROOT / "docs" / "pipeline.md"

@@ -41,14 +41,32 @@ def test_no_cache_dir_means_no_cache_anywhere() -> None:
 
 
 def test_precision_hints_and_threads() -> None:
-    assert compile_config("CPU") == {}
-    assert compile_config("CPU", "f32") == {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
-    assert compile_config("GPU.0", "f32")["KV_CACHE_PRECISION"] == "f32"
+    unpinned = {"ENABLE_CPU_PINNING": False}
+    assert compile_config("CPU") == unpinned  # the device's own precision: no hint
+    assert compile_config("CPU", "f32") == {**unpinned, "INFERENCE_PRECISION_HINT": "f32",
+                                            "KV_CACHE_PRECISION": "f32"}
+    assert compile_config("GPU.0", "f32") == {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
     # plugins without a KV-precision property get the math hint only
     assert compile_config("NPU", "f32") == {"INFERENCE_PRECISION_HINT": "f32"}
     assert compile_config("AUTO", "f32") == {"INFERENCE_PRECISION_HINT": "f32"}
-    assert compile_config("CPU", "bf16") == {"INFERENCE_PRECISION_HINT": "bf16"}
-    assert compile_config("CPU", threads=3) == {"INFERENCE_NUM_THREADS": 3}
+    assert compile_config("CPU", "bf16") == {**unpinned, "INFERENCE_PRECISION_HINT": "bf16"}
+    assert compile_config("CPU", threads=3) == {**unpinned, "INFERENCE_NUM_THREADS": 3}
+
+
+def test_the_cpu_plugin_takes_the_config_and_does_not_pin_threads() -> None:
+    """The properties are real plugin keys: a CPU compile with them runs and reports no pinning
+    (pinning moves the caller of every infer() with sched_setaffinity; ov_compile.py has the figures)."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    x = ops.parameter([1, 4], ov.Type.f32, name="x")
+    model = ov.Model([ops.relu(x)], [x], "tiny")
+    for precision in ("default", "f32"):
+        compiled = ov.Core().compile_model(model, "CPU", compile_config("CPU", precision))
+        assert compiled.get_property("ENABLE_CPU_PINNING") is False
+        out = compiled.create_infer_request().infer({"x": np.array([[-1.0, 2.0, -3.0, 4.0]], np.float32)})
+        assert out[0].tolist() == [[0.0, 2.0, 0.0, 4.0]]
 
 
 def test_unknown_precision_is_refused_with_a_code() -> None:
