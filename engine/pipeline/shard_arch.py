@@ -26,7 +26,7 @@ class ArchSpec:
 
     window: str  # "layer_types": per layer from config.layer_types; "config": config.sliding_window on
     #              every layer (None = off); "none": the model never builds a sliding mask
-    moe: bool = False  # some layers hold stacked experts (run densely, shard_moe.py)
+    moe: bool = False  # some layers hold stacked experts (run on their routed tokens only, shard_moe.py)
 
 
 # model_type -> spec. Each is covered by tests/engine/pipeline/test_shard_pieces.py

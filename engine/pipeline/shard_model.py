@@ -4,7 +4,7 @@ A shard of layers [start, end) is Embed? + LayerPiece x (end - start) + Head?
 (shard_pieces.py); the exporter traces and stitches the pieces one by one,
 `ShardModule` composes them in torch (tests, benches, references). What can be
 sharded at all is decided from the config by `check_supported`
-(shard_arch.py); MoE experts run densely (shard_moe.py).
+(shard_arch.py); MoE experts run on the tokens routed to them (shard_moe.py).
 """
 
 from __future__ import annotations

@@ -29,13 +29,14 @@ LayerPiece is generic: it calls transformers' own decoder layer with
     StatefulSDPAFusion folds into one SDPA-with-KV-cache node once the exporter
     reads the past through Gather(ReadValue, beam_idx). Gemma 2's attention
     logit softcapping has no SDPA form: those layers run eager attention.
-Only MoE experts are replaced (shard_moe.DenseExperts), since transformers'
-expert loop depends on tensor values.
+Only MoE experts are replaced (shard_moe.SparseExperts), since transformers'
+expert loop depends on tensor values; the replacement runs each expert on the
+tokens routed to it.
 
 Everything here traces with f32 activations under OpenVINO's 16-bit path
 (`__make_16bit_traceable`: nn.Linear / nn.Embedding keep 16-bit weights,
-other parameters become f32): no Python branch on tensor values, no
-data-dependent shapes.
+other parameters become f32): no Python branch on tensor values; the only
+data-dependent shapes are the MoE experts' token rows (NonZero in the graph).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.pipeline.shard_arch import ARCHITECTURES, check_supported, layer_window
-from engine.pipeline.shard_moe import DenseExperts, is_stacked_experts
+from engine.pipeline.shard_moe import SparseExperts, is_stacked_experts
 
 ATTENTION_IMPL = "flotilla_shard"  # name of `_attention` in transformers' AttentionInterface
 
@@ -243,7 +244,7 @@ class LayerPiece(nn.Module):
             if not (ARCHITECTURES[config.model_type].moe and is_stacked_experts(experts)):
                 raise ValueError(f"layer {index} of {config.model_type!r} has experts of an unknown layout")
             mlp = _shallow_clone(src.mlp)
-            mlp.experts = DenseExperts(experts)
+            mlp.experts = SparseExperts(experts)
             layer.mlp = mlp
         self.layer = layer
 
