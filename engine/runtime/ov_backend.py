@@ -196,15 +196,8 @@ class OVStream:
 
     def __init__(self, compiled, input_names: set[str], chunk: int, req=None,
                  release: Callable[[Any], None] | None = None) -> None:
-        import openvino as ov
-
         self.req = req if req is not None else compiled.create_infer_request()
         self.req.reset_state()
-        # Inputs that keep their value for the whole stream are set once, not copied in per step.
-        if "beam_idx" in input_names:
-            self.req.set_tensor("beam_idx", ov.Tensor(np.zeros(1, dtype=np.int32)))
-        if LOGITS_TO_KEEP in input_names:
-            self.req.set_tensor(LOGITS_TO_KEEP, ov.Tensor(_LAST_ONLY.copy()))
         self.names = input_names
         self.chunk = chunk
         self.past = 0  # tokens in the KV state
@@ -217,6 +210,12 @@ class OVStream:
             feed["attention_mask"] = np.ones((1, self.past + n), dtype=np.int64)
         if "position_ids" in self.names:
             feed["position_ids"] = np.arange(self.past, self.past + n, dtype=np.int64)[None]
+        # Fed every step (1-element copies, ~free): a request comes from a pool shared with the
+        # speculative streams, and a tensor bound with set_tensor would outlive this stream's arrays.
+        if "beam_idx" in self.names:
+            feed["beam_idx"] = np.zeros(1, dtype=np.int32)
+        if LOGITS_TO_KEEP in self.names:
+            feed[LOGITS_TO_KEEP] = _LAST_ONLY
         self.req.infer(feed)
         self.past += n
         logits = self.req.get_tensor("logits").data  # [1, n or 1, vocab]
