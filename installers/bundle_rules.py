@@ -128,6 +128,7 @@ KEPT_FILES = [
 # build checks them after collecting (destination paths, fnmatch).
 REQUIRED_FILES_LINUX = [
     "assets/demo/corpus.txt",
+    "assets/demo/trained/*/model.safetensors",
     "assets/icons/flotilla.svg",
     "flotilla-*.dist-info/entry_points.txt",
     "openvino/libs/libopenvino.so*",

@@ -1,4 +1,4 @@
-"""`flotilla models list|pull|inspect|build-demos`."""
+"""`flotilla models list|pull|inspect|add|build-demos|train-demos|eval-demos`."""
 
 from __future__ import annotations
 
@@ -28,6 +28,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add.set_defaults(func=cmd_add)
     demos = msub.add_parser("build-demos", help="build every bundled demo model if missing (seconds)")
     demos.set_defaults(func=cmd_build_demos)
+    train = msub.add_parser("train-demos", help="train the demo models on the Python stdlib + docs "
+                                                "(minutes each, CPU; writes assets/demo/trained)")
+    train.add_argument("--only", type=_id_list, default=None, metavar="ID,...",
+                       help="demo ids to train (default: demo, demo-draft, demo-qwen3, demo-moe)")
+    train.add_argument("--steps", type=_positive, default=None, help="optimizer steps (default: per model)")
+    train.add_argument("--out", type=Path, default=None, help="output folder (default: assets/demo/trained)")
+    # Small runs (tests, trying settings): not the shipped recipe.
+    train.add_argument("--batch", type=_positive, default=None, help=argparse.SUPPRESS)
+    train.add_argument("--seq-len", type=_positive, default=None, help=argparse.SUPPRESS)
+    train.add_argument("--corpus-bytes", type=_positive, default=None, help=argparse.SUPPRESS)
+    train.add_argument("--eval-chunks", type=_positive, default=96, help=argparse.SUPPRESS)
+    train.set_defaults(func=cmd_train_demos)
+    ev = msub.add_parser("eval-demos", help="held-out perplexity of the trained demos vs the random-weight ones")
+    ev.add_argument("--only", type=_id_list, default=None, metavar="ID,...", help="demo ids (default: all)")
+    ev.add_argument("--dir", type=Path, default=None, help="trained folders (default: the shipped ones)")
+    ev.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    ev.add_argument("--eval-chunks", type=_positive, default=96, help=argparse.SUPPRESS)
+    ev.set_defaults(func=cmd_eval_demos)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -112,6 +130,77 @@ def cmd_build_demos(args: argparse.Namespace) -> int:
             progress.close()
     print("demo models ready: " + ", ".join(demo_ids()))
     return 0
+
+
+def cmd_train_demos(args: argparse.Namespace) -> int:
+    from engine.models.demo import trained_recipe
+    from engine.models.demo_corpus import build_corpus, compare_manifests
+    from engine.models.demo_eval import format_table, heldout_table
+    from engine.models.train_demos import TRAIN_ORDER, train_demos
+
+    ids = args.only or TRAIN_ORDER
+    corpus = build_corpus(max_train_bytes=args.corpus_bytes)
+    print(f"corpus {corpus.digest}: Python {corpus.python} stdlib + project docs, {len(corpus.files)} files "
+          f"({len(corpus.split(True))} held out)")
+    shipped = next((r for r in map(trained_recipe, ids) if r), None)
+    if shipped is not None:
+        diff = compare_manifests(shipped["corpus"], corpus.manifest())
+        if diff:
+            print(f"note: the shipped weights came from corpus {shipped['corpus']['digest']}; "
+                  "this one differs, so the weights will too:")
+            for line in diff:
+                print(f"  {line}")
+    overrides = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v is not None}
+    progress = TerminalProgress()
+    try:
+        results = train_demos(only=ids, steps=args.steps, out_root=args.out, report=progress,
+                              max_train_bytes=args.corpus_bytes, overrides=overrides, eval_count=args.eval_chunks)
+        rows = heldout_table(ids, trained_root=results[0].out.parent, count=args.eval_chunks,
+                             max_train_bytes=args.corpus_bytes, report=progress)
+    finally:
+        progress.close()
+    for r in results:
+        rec = r.recipe
+        print(f"{r.demo_id}: {rec['train']['steps']} steps, {rec['tokens_seen']} tokens, {rec['seconds']:.0f} s "
+              f"-> {r.out}")
+    print(format_table(rows))
+    return 0
+
+
+def cmd_eval_demos(args: argparse.Namespace) -> int:
+    from engine.models.demo_eval import format_table, heldout_table
+    from engine.models.train_demos import TRAIN_ORDER
+
+    progress = TerminalProgress()
+    try:
+        rows = heldout_table(args.only or TRAIN_ORDER, trained_root=args.dir, count=args.eval_chunks,
+                             report=progress)
+    finally:
+        progress.close()
+    print(format_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _id_list(text: str) -> list[str]:
+    from engine.models.train_demos import TRAIN_ORDER
+
+    ids = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [i for i in ids if i not in TRAIN_ORDER]
+    if not ids or bad:
+        raise argparse.ArgumentTypeError(f"demo ids are {', '.join(TRAIN_ORDER)}; not {', '.join(bad) or text!r}")
+    return ids
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"a positive integer, not {text!r}")
+    return n
 
 
 def _entry_dict(e) -> dict:

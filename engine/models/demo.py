@@ -1,10 +1,19 @@
-"""Demo models: tiny random-weight models built locally, deterministically.
+"""Demo models: tiny models built locally, deterministically, without a hub.
 
-No model hub is needed. Each demo id maps to a *recipe*: a real transformers
-config class with small dimensions, random weights drawn with a fixed seed and
-initializer_range ~0.1 (with the usual 0.02, greedy decoding of a random model
-collapses into one repeated token and comparisons prove nothing), and a BPE
-tokenizer trained on a bundled text corpus with a ChatML chat template.
+Each demo id (`demo`, `demo-qwen3`, `demo-moe`, `demo-draft`) has two builds:
+
+- **trained** (the default when assets/demo/trained/<id>/ is present): weights
+  trained by `flotilla models train-demos` (engine.models.train_demos) on the
+  Python stdlib + the project's docs, shipped as fp16 safetensors and upcast
+  here, exactly, to the f32 the demo folder runs at — the folder's values are
+  bit for bit the shipped ones.
+- **random**: the id's *recipe* — a real transformers config class with small
+  dimensions, random weights drawn with a fixed seed and initializer_range ~0.1
+  (with the usual 0.02, greedy decoding of a random model collapses into one
+  repeated token and comparisons prove nothing), and a BPE tokenizer trained on
+  the bundled assets/demo/corpus.txt with a ChatML chat template. Asked for as
+  `<id>-random` (e.g. `--model demo-random`), `ensure_demo(id, weights="random")`,
+  or for every demo id with FLOTILLA_DEMO_WEIGHTS=random.
 
 Builds are written to a temporary folder and renamed into place, so an
 interrupted build never leaves a half-written model behind.
@@ -17,7 +26,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +37,8 @@ from engine.models.errors import ModelError
 RECIPE_VERSION = 1
 
 CORPUS_PATH = Path(__file__).resolve().parent.parent.parent / "assets" / "demo" / "corpus.txt"
+# Trained weights shipped with the project, one folder per demo id (engine.models.train_demos).
+TRAINED_ROOT = CORPUS_PATH.parent / "trained"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -100,12 +111,92 @@ RECIPES: dict[str, DemoRecipe] = {
 }
 
 
+# The random-weight recipes, whatever RECIPES' descriptions say (see below).
+RANDOM_RECIPES: dict[str, DemoRecipe] = dict(RECIPES)
+
+RANDOM_SUFFIX = "-random"  # `demo-random`: the random-weight build of `demo`
+WEIGHTS_ENV = "FLOTILLA_DEMO_WEIGHTS"  # "random" forces random builds of every demo id
+WEIGHTS_CHOICES = ("auto", "trained", "random")  # auto = trained when shipped, else random
+TRAINED_BUILD = 1  # bumped when the way a demo folder is built from trained assets changes
+_TRAINED_FILES = ("config.json", "model.safetensors", "flotilla-train.json")
+
+
 def demo_ids() -> list[str]:
+    """The demo ids users pick from (each also answers as `<id>-random`)."""
     return list(RECIPES)
 
 
 def is_demo_id(name: str) -> bool:
-    return name in RECIPES
+    return _split_id(name)[0] is not None
+
+
+def _split_id(name: str) -> tuple[str | None, bool]:
+    """(base demo id or None, random forced by the id)."""
+    if name in RECIPES:
+        return name, False
+    if isinstance(name, str) and name.endswith(RANDOM_SUFFIX) and name[: -len(RANDOM_SUFFIX)] in RECIPES:
+        return name[: -len(RANDOM_SUFFIX)], True
+    return None, False
+
+
+def trained_dir(demo_id: str) -> Path | None:
+    """The shipped trained weights of a demo id, or None when this checkout has none."""
+    d = TRAINED_ROOT / demo_id
+    return d if all((d / f).is_file() for f in _TRAINED_FILES) else None
+
+
+def weights_of(demo_id: str, weights: str = "auto") -> str:
+    """Which build `ensure_demo(demo_id, weights=...)` gives: "trained" or "random"."""
+    base, forced_random = _split_id(demo_id)
+    if base is None:
+        raise ModelError(f"unknown demo model {demo_id!r}; demo models: {', '.join(RECIPES)}")
+    if weights not in WEIGHTS_CHOICES:
+        raise ModelError(f"demo weights must be one of {', '.join(WEIGHTS_CHOICES)}, not {weights!r}")
+    if forced_random or weights == "random":
+        return "random"
+    if weights == "auto" and os.environ.get(WEIGHTS_ENV, "").strip().lower() == "random":
+        return "random"
+    if trained_dir(base) is None:
+        if weights == "trained":
+            raise ModelError(f"no trained weights for {base} in {TRAINED_ROOT} "
+                             "(run `flotilla models train-demos`)")
+        return "random"
+    return "trained"
+
+
+def trained_recipe(demo_id: str) -> dict[str, Any] | None:
+    """The shipped recipe JSON of a trained demo (corpus digest, seed, steps, held-out figures)."""
+    d = trained_dir(_split_id(demo_id)[0] or demo_id)
+    return json.loads((d / "flotilla-train.json").read_text()) if d else None
+
+
+def _default_description(recipe: DemoRecipe) -> str:
+    """What `flotilla models list` says of a demo id: of the build it gives by default."""
+    if weights_of(recipe.demo_id) == "random":
+        return recipe.description
+    return recipe.description.replace(" (random weights)", "") + " (trained on the Python stdlib + docs)"
+
+
+# RECIPES keeps the random recipes (the same fingerprints and cache folders as
+# always); only the description follows the default build.
+RECIPES = {k: replace(r, description=_default_description(r)) for k, r in RANDOM_RECIPES.items()}
+
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def trained_fingerprint(demo_id: str) -> str:
+    """Identity of a trained demo: a hash of its shipped files' bytes."""
+    d = trained_dir(demo_id)
+    if d is None:
+        raise ModelError(f"no trained weights for {demo_id} in {TRAINED_ROOT}")
+    files = sorted(p for p in d.iterdir() if p.is_file())
+    key = (str(d), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    if key not in _FINGERPRINTS:
+        h = hashlib.sha256(f"trained-build-{TRAINED_BUILD}".encode())
+        for p in files:
+            h.update(p.name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
+        _FINGERPRINTS[key] = h.hexdigest()[:16]
+    return _FINGERPRINTS[key]
 
 
 def cache_root() -> Path:
@@ -118,17 +209,66 @@ def cache_root() -> Path:
     return Path(platformdirs.user_cache_dir("flotilla", appauthor=False))
 
 
-def demo_path(demo_id: str) -> Path:
-    return recipe_path(_recipe(demo_id))
+def demo_path(demo_id: str, weights: str = "auto") -> Path:
+    """Where ensure_demo(demo_id, weights=...) puts (or has put) the demo folder."""
+    base = _split_id(demo_id)[0]
+    if weights_of(demo_id, weights) == "random":
+        return recipe_path(RANDOM_RECIPES[base])
+    return cache_root() / "demo" / f"{base}-trained-{trained_fingerprint(base)}"
 
 
 def recipe_path(recipe: DemoRecipe) -> Path:
     return cache_root() / "demo" / f"{recipe.demo_id}-{recipe.fingerprint()}"
 
 
-def ensure_demo(demo_id: str, progress: Callable[[str, float], None] | None = None) -> Path:
-    """Return the folder of a demo model, building it first if it is missing."""
-    return ensure_recipe(_recipe(demo_id), progress)
+def ensure_demo(demo_id: str, progress: Callable[[str, float], None] | None = None,
+                weights: str = "auto") -> Path:
+    """Return the folder of a demo model, building it first if it is missing.
+    weights: "auto" (trained when shipped, else random; FLOTILLA_DEMO_WEIGHTS=random
+    forces random), "trained" (error when not shipped) or "random"."""
+    base = _split_id(demo_id)[0]
+    if weights_of(demo_id, weights) == "random":
+        return ensure_recipe(RANDOM_RECIPES[base], progress)
+    return _ensure_trained(base, progress)
+
+
+def _ensure_trained(demo_id: str, progress: Callable[[str, float], None] | None) -> Path:
+    """Build the demo folder from the shipped trained weights: every file copied,
+    the weights upcast (exactly) to the recipe's runtime dtype."""
+    target = demo_path(demo_id, "trained")
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    report = progress or (lambda _msg, _frac: None)
+    src = trained_dir(demo_id)
+    recipe = json.loads((src / "flotilla-train.json").read_text())
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    runtime = dtypes[recipe.get("runtime_dtype", "f32")]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{demo_id}-", dir=target.parent))
+    try:
+        report(f"unpacking trained {demo_id}", 0.3)
+        for p in sorted(src.iterdir()):
+            if p.is_file() and p.name != "model.safetensors":
+                shutil.copyfile(p, tmp / p.name)
+        tensors = {k: v.to(runtime) for k, v in load_file(src / "model.safetensors").items()}
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "flotilla-demo.json").write_text(
+            json.dumps({"demo_id": demo_id, "fingerprint": trained_fingerprint(demo_id), "weights": "trained",
+                        "description": RECIPES[demo_id].description}, indent=2)
+        )
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    report(f"{demo_id} ready", 1.0)
+    return target
 
 
 def ensure_recipe(recipe: DemoRecipe, progress: Callable[[str, float], None] | None = None) -> Path:
@@ -162,13 +302,6 @@ def ensure_recipe(recipe: DemoRecipe, progress: Callable[[str, float], None] | N
             shutil.rmtree(tmp, ignore_errors=True)
     report(f"{demo_id} ready", 1.0)
     return target
-
-
-def _recipe(demo_id: str) -> DemoRecipe:
-    try:
-        return RECIPES[demo_id]
-    except KeyError:
-        raise ModelError(f"unknown demo model {demo_id!r}; demo models: {', '.join(RECIPES)}") from None
 
 
 def _corpus_digest() -> str:
