@@ -26,9 +26,10 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from engine.models.errors import ModelError
 
@@ -246,9 +247,7 @@ def _ensure_trained(demo_id: str, progress: Callable[[str, float], None] | None)
     recipe = json.loads((src / "flotilla-train.json").read_text())
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     runtime = dtypes[recipe.get("runtime_dtype", "f32")]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{demo_id}-", dir=target.parent))
-    try:
+    with _building(target, demo_id) as tmp:
         report(f"unpacking trained {demo_id}", 0.3)
         for p in sorted(src.iterdir()):
             if p.is_file() and p.name != "model.safetensors":
@@ -259,6 +258,19 @@ def _ensure_trained(demo_id: str, progress: Callable[[str, float], None] | None)
             json.dumps({"demo_id": demo_id, "fingerprint": trained_fingerprint(demo_id), "weights": "trained",
                         "description": RECIPES[demo_id].description}, indent=2)
         )
+    report(f"{demo_id} ready", 1.0)
+    return target
+
+
+@contextmanager
+def _building(target: Path, demo_id: str) -> Iterator[Path]:
+    """A temp folder next to target, renamed onto it when the block ends and removed if it
+    fails, so a cache folder is whole or absent. Another process finishing the same build
+    first is fine: theirs is identical."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{demo_id}-", dir=target.parent))
+    try:
+        yield tmp
         try:
             os.replace(tmp, target)
         except OSError:
@@ -267,8 +279,6 @@ def _ensure_trained(demo_id: str, progress: Callable[[str, float], None] | None)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    report(f"{demo_id} ready", 1.0)
-    return target
 
 
 def ensure_recipe(recipe: DemoRecipe, progress: Callable[[str, float], None] | None = None) -> Path:
@@ -279,9 +289,7 @@ def ensure_recipe(recipe: DemoRecipe, progress: Callable[[str, float], None] | N
         return target
     demo_id = recipe.demo_id
     report = progress or (lambda _msg, _frac: None)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{demo_id}-", dir=target.parent))
-    try:
+    with _building(target, demo_id) as tmp:
         report(f"training tokenizer for {demo_id}", 0.1)
         tok = _tokenizer(recipe.tokenizer_of or demo_id)
         report(f"initialising {demo_id} weights", 0.5)
@@ -291,15 +299,6 @@ def ensure_recipe(recipe: DemoRecipe, progress: Callable[[str, float], None] | N
             json.dumps({"demo_id": demo_id, "fingerprint": recipe.fingerprint(),
                         "description": recipe.description}, indent=2)
         )
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # Another process finished the same build first: theirs is identical.
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     report(f"{demo_id} ready", 1.0)
     return target
 
