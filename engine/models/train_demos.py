@@ -187,6 +187,27 @@ def _round_to_storage(model) -> None:
             p.copy_(p.to(torch.float16).to(torch.float32))
 
 
+def shipped_layout(state: dict[str, Any]) -> dict[str, Any]:
+    """MoE experts as real checkpoints ship them, one tensor per expert and projection
+    (transformers 5 stacks them only in memory; engine/models/checkpoint.py restacks):
+    experts.gate_up_proj [E, 2I, H] -> experts.e.gate_proj / up_proj.weight [I, H] each,
+    experts.down_proj [E, H, I] -> experts.e.down_proj.weight [H, I]."""
+    out: dict[str, Any] = {}
+    for name, t in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :inter].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = t[e, inter:].contiguous()
+        elif name.endswith(".experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out
+
+
 def save_trained(model, tok, out: Path, recipe: dict[str, Any]) -> None:
     """Write a trained demo folder: fp16 safetensors, config saying f32 (the dtype
     the demo folder runs at), tokenizer, generation config, recipe JSON."""
@@ -205,7 +226,7 @@ def save_trained(model, tok, out: Path, recipe: dict[str, Any]) -> None:
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    save_file(dict(sorted(state.items())), tmp / "model.safetensors", metadata={"format": "pt"})
+    save_file(dict(sorted(shipped_layout(state).items())), tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
