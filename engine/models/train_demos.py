@@ -156,24 +156,27 @@ def train_model(model, stream, cfg: TrainConfig, report: Callable[[str, float], 
         raise ModelError(f"corpus too small for seq_len {cfg.seq_len}: {len(stream)} tokens")
     model.train()
     t0, losses = time.monotonic(), []
-    for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        starts = torch.randint(0, span, (cfg.batch,), generator=gen)
-        x = torch.stack([stream[s:s + cfg.seq_len + 1] for s in starts.tolist()])  # [batch, seq_len + 1]
-        kwargs = {"output_router_logits": True} if moe else {}
-        out = model(input_ids=x[:, :-1], labels=x[:, :-1], **kwargs)  # HF shifts labels itself
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.item())
-        if step % 10 == 0 or step == cfg.steps - 1:
-            el = time.monotonic() - t0
-            eta = el / (step + 1) * (cfg.steps - step - 1)
-            recent = sum(losses[-10:]) / len(losses[-10:])
-            report(f"{label}: step {step + 1}/{cfg.steps} loss {recent:.3f} "
-                   f"({el:.0f} s, ~{eta:.0f} s left)", (step + 1) / cfg.steps)
+    # grad on explicitly: a process that ran an engine first may have turned it off globally
+    # (the sparse engine calls torch.set_grad_enabled(False))
+    with torch.enable_grad():
+        for step in range(cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, cfg)
+            starts = torch.randint(0, span, (cfg.batch,), generator=gen)
+            x = torch.stack([stream[s:s + cfg.seq_len + 1] for s in starts.tolist()])  # [batch, seq_len + 1]
+            kwargs = {"output_router_logits": True} if moe else {}
+            out = model(input_ids=x[:, :-1], labels=x[:, :-1], **kwargs)  # HF shifts labels itself
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(out.loss.item())
+            if step % 10 == 0 or step == cfg.steps - 1:
+                el = time.monotonic() - t0
+                eta = el / (step + 1) * (cfg.steps - step - 1)
+                recent = sum(losses[-10:]) / len(losses[-10:])
+                report(f"{label}: step {step + 1}/{cfg.steps} loss {recent:.3f} "
+                       f"({el:.0f} s, ~{eta:.0f} s left)", (step + 1) / cfg.steps)
     return {"seconds": round(time.monotonic() - t0, 1),
             "final_train_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4)}
 
