@@ -17,7 +17,7 @@ PRECISIONS = ("int4", "int8", "fp16")
 # The folder each precision's figures come from: one folder per run kind.
 SOURCES = {QUICK: {p: QUICK for p in PRECISIONS}, FULL: {"int4": FULL, "int8": "scale-int8", "fp16": "scale-fp16"}}
 # The runs that measured the planner with the context filled (bench scale's fill run), by precision.
-PLAN_SOURCES: dict[str, dict[str, str]] = {FULL: {"int4": FULL, "int8": "scale-int8"}}
+PLAN_SOURCES: dict[str, dict[str, str]] = {FULL: {"int4": FULL, "int8": "scale-int8", "fp16": "scale-fp16"}}
 HOW = {FULL: "`flotilla bench scale`", QUICK: "`flotilla bench scale --quick`", "scale-int8": "`flotilla bench scale`",
        "scale-fp16": "`flotilla bench scale`"}
 
