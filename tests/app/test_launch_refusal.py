@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.background import Runner
-from app.fleet_model import FleetModel
-from app.plan_view import PlanView
-from app.session import EngineSession
+from app_helpers import open_plan_view
 from engine import client
 from engine.fleet.refusal import StageRefusal, StageRefused
 from engine.protocol.errors import Refusal
@@ -41,13 +38,7 @@ def editor(qtbot, monkeypatch):
         raise StageRefused(refusals)
 
     monkeypatch.setattr(client, "launch_fleet", refused_launch)
-    runner = Runner()
-    session = EngineSession(runner)
-    fleet = FleetModel(runner)  # discovery is not started: the test puts the cards in
-    view = PlanView(session, runner, fleet)
-    view.resize(1200, 800)
-    qtbot.addWidget(view)
-    qtbot.waitUntil(lambda: bool(view.kinds) and view.plan is not None and not view.error, timeout=120_000)
+    view, runner = open_plan_view(qtbot)
     view.refusals = refusals
     yield view
     runner.wait_for_done(10_000)

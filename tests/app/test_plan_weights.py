@@ -15,11 +15,9 @@ from types import SimpleNamespace
 import pytest
 from PySide6.QtWidgets import QComboBox, QLabel
 
-from app.background import Runner
-from app.fleet_model import FleetModel
 from app.memory_bar import MemoryBar
 from app.plan_view import PlanView
-from app.session import EngineSession
+from app_helpers import open_plan_view
 from engine import client
 
 GB = 1_000_000_000
@@ -52,13 +50,7 @@ def editor(qtbot, monkeypatch):
 
     monkeypatch.setattr(client, "launch_pipeline", fake_pipeline)
     monkeypatch.setattr(client, "launch_fleet", fake_fleet)
-    runner = Runner()
-    session = EngineSession(runner)
-    fleet = FleetModel(runner)  # discovery is not started: the tests put the cards in
-    view = PlanView(session, runner, fleet)
-    view.resize(1200, 800)
-    qtbot.addWidget(view)
-    qtbot.waitUntil(lambda: bool(view.kinds) and view.plan is not None and not view.error, timeout=120_000)
+    view, runner = open_plan_view(qtbot)
     view.launched = launched
     yield view
     runner.wait_for_done(10_000)
