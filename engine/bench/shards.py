@@ -17,6 +17,13 @@ fix), split_over_whole_without_fix (unfused split vs fused whole),
 fused_sdpa_all_shards (every fused shard's compiled model has one fused
 SDPA-with-KV-cache node per layer), absolute ms, the model size, and the
 runtime op counts of one fused and one unfused shard.
+
+`--arch qwen3_moe` runs the same on a Qwen3-MoE built from its config (experts with
+Qwen3-30B-A3B's expert width, 768). Then, for each of `--memory-weights`, the whole
+and the split shards are exported at that precision and each runs alone in its own
+process (engine/bench/_shard_memory.py): its anonymous memory after every call of a
+served stream's worth of varied prefill chunks and decode steps, beside the planner's
+memory for that stage (`memory` in the JSON; plan_vs_anon = planned / measured - 1).
 """
 
 from __future__ import annotations
@@ -43,6 +50,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="repeats (default 5 quick, 9 full)")
     p.add_argument("--threads", type=int, default=0, help="INFERENCE_NUM_THREADS per compiled model (0 = plugin default)")
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache precision hints")
+    p.add_argument("--arch", choices=ARCHS, default="llama",
+                   help="model family: llama (dense) or qwen3_moe (routed experts; default llama)")
+    p.add_argument("--experts", type=int, default=32, help="qwen3_moe: routed experts per layer (default 32)")
+    p.add_argument("--top-k", type=int, default=4, help="qwen3_moe: experts per token (default 4)")
+    p.add_argument("--expert-inter", type=int, default=768,
+                   help="qwen3_moe: one expert's FFN width (default 768, as Qwen3-30B-A3B)")
+    p.add_argument("--memory-weights", default="fp16,int8",
+                   help="weight precisions whose shards' memory is measured against the plan "
+                        "(comma-separated; empty: none; default fp16,int8)")
+    p.add_argument("--memory-context", type=int, default=2048,
+                   help="tokens of the stream fed to each shard in the memory runs (default 2048)")
+    p.add_argument("--memory-decode", type=int, default=16, help="decode steps ending each memory run (default 16)")
+
+
+ARCHS = ("llama", "qwen3_moe")
+
+
+def moe_recipe(hidden: int, layers: int, experts: int, top_k: int, expert_inter: int,
+               heads: int = 16, kv_heads: int = 4):
+    """A Qwen3-MoE built from its config with random weights (demo tokenizer); every layer sparse."""
+    from engine.models.demo import DemoRecipe
+
+    return DemoRecipe(
+        f"bench-qwen3moe-h{hidden}-l{layers}-e{experts}-k{top_k}-i{expert_inter}-a{heads}-kv{kv_heads}",
+        "Qwen3MoeConfig",
+        dict(initializer_range=0.1, max_position_embeddings=4096, tie_word_embeddings=False,
+             hidden_size=hidden, intermediate_size=expert_inter, moe_intermediate_size=expert_inter,
+             num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
+             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+             head_dim=hidden // heads, norm_topk_prob=True, rms_norm_eps=1e-6),
+        seed=37, description=f"benchmark Qwen3-MoE, {layers} layers x {experts} experts (top-{top_k})",
+        tokenizer_of="demo",
+    )
 
 
 def dense_recipe(hidden: int, layers: int, inter: int | None = None, heads: int = 16, kv_heads: int = 4):
@@ -71,7 +111,9 @@ def model_summary(path, recipe) -> dict[str, Any]:
             "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
             "intermediate": cfg["intermediate_size"], "heads": cfg["num_attention_heads"],
             "kv_heads": cfg["num_key_value_heads"], "vocab": cfg["vocab_size"],
-            "params_m": round(weights / 4 / 1e6, 1), "f32_weights_mb": round(weights / 1e6, 1)}
+            "params_m": round(weights / 4 / 1e6, 1), "f32_weights_mb": round(weights / 1e6, 1),
+            "experts": cfg.get("num_experts") or cfg.get("num_local_experts"),
+            "experts_per_token": cfg.get("num_experts_per_tok")}
 
 
 def chain_step(streams, x, mask, positions) -> dict:
@@ -139,7 +181,11 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     layers = args.layers or (8 if quick else 16)
     tokens = args.tokens or (16 if quick else 32)
     repeats = args.repeats or (5 if quick else 9)
-    recipe = dense_recipe(args.hidden, layers, args.inter, args.heads, args.kv_heads)
+    if args.arch == "qwen3_moe":
+        recipe = moe_recipe(args.hidden, layers, args.experts, args.top_k, args.expert_inter, args.heads,
+                            args.kv_heads)
+    else:
+        recipe = dense_recipe(args.hidden, layers, args.inter, args.heads, args.kv_heads)
     report(f"building {recipe.demo_id} (first run only)")
     path = ensure_recipe(recipe)
     model = model_summary(path, recipe)
@@ -231,4 +277,32 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     }
     if "whole_nofix" in ms:
         out["whole_without_fix_ms"] = round(ms["whole_nofix"], 3)
+    del chains  # the memory runs are other processes; free this one's models first
+    out["memory"] = memory_runs(path, layers, ranges, args, report)
+    return out
+
+
+def memory_runs(path, layers: int, ranges: list, args: argparse.Namespace,
+                report: Callable[[str], None]) -> dict[str, Any]:
+    """Each whole / split shard alone in its own process at each --memory-weights precision."""
+    from engine.bench._shard_memory import planned, schedule, stage_memory
+    from engine.pipeline.export import ensure_shard
+
+    precisions = [w.strip() for w in str(args.memory_weights).split(",") if w.strip()]
+    calls = schedule(args.memory_context, 512, args.memory_decode)
+    out: dict[str, Any] = {"context_tokens": args.memory_context, "calls": len(calls),
+                           "call_tokens": calls, "by_precision": {}}
+    for prec in precisions:
+        runs: dict[str, Any] = {}
+        for name, rs in (("whole", [(0, layers)]), ("split", ranges)):
+            runs[name] = []
+            plans = planned(path, list(rs), prec, args.memory_context)
+            for (s, e), plan in zip(rs, plans):
+                info = ensure_shard(path, s, e, num_layers_total=layers, precision=prec)
+                r = stage_memory(info, plan, calls)
+                runs[name].append(r)
+                report(f"  memory {prec} {name} [{s}, {e}): anon peak {r['measured']['anon_peak_bytes'] / 2**20:.0f} MiB"
+                       f", planned {r['planned']['process_bytes'] / 2**20:.0f} MiB, shard "
+                       f"{r['shard_bytes'] / 2**20:.0f} MiB")
+        out["by_precision"][prec] = runs
     return out

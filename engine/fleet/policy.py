@@ -139,7 +139,9 @@ def start_need(shard_bytes: int, manifest: dict | None, device: str, exact: bool
     if (int(manifest["start"]) == 0 and plan.embedding_mapped(kind) and manifest.get("vocab_size")
             and manifest.get("precision") in plan.PRECISION_BYTES):
         mapped = plan.embedding_table_bytes(int(manifest["vocab_size"]), hidden, str(manifest.get("precision")))
-    return StartNeed(max(0, int(shard_bytes) - mapped), kv, plan.RUNTIME_RESERVE_BYTES + scratch)
+    # MoE: the device's runtime holds the routed experts again (the planner's rule)
+    experts = int((plan.expert_copies(kind) - 1) * int(manifest.get("expert_bytes") or 0))
+    return StartNeed(max(0, int(shard_bytes) - mapped), kv, plan.RUNTIME_RESERVE_BYTES + scratch + experts)
 
 
 def _gb(n: float) -> str:

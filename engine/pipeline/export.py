@@ -76,6 +76,9 @@ class ShardInfo:
     outputs: list[str] = field(default_factory=list)  # IR output names, in order
     states: list[str] = field(default_factory=list)  # variable ids, key/value per layer
     format_version: int = EXPORT_FORMAT_VERSION  # of this manifest and graph
+    # Routed MoE experts' weights in this shard at its precision (0: dense), which a CPU
+    # runtime holds twice (plan_memory.EXPERT_COPIES): the agent's start check adds them.
+    expert_bytes: int = 0
 
     @property
     def first(self) -> bool:
@@ -264,6 +267,7 @@ def export_shard(model_path: Path, start: int, end: int, out_dir: Path, *,
             inputs=[p.get_any_name() for p in ov_model.inputs],
             outputs=[p.get_any_name() for p in ov_model.outputs],
             states=_ordered_states(ov_model, past_names),
+            expert_bytes=_expert_bytes(model_path, start, end, precision),
         )
         del ov_model
     finally:
@@ -274,6 +278,14 @@ def export_shard(model_path: Path, start: int, end: int, out_dir: Path, *,
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     report("shard exported", 1.0)
     return info
+
+
+def _expert_bytes(model_path: Path, start: int, end: int, precision: str) -> int:
+    """Routed-expert bytes of layers [start, end) at precision, as the planner counts them."""
+    from engine.models import profile_model
+    from engine.pipeline.plan import PlanModel
+
+    return int(sum(PlanModel.from_profile(profile_model(model_path)).expert_weight_bytes(precision)[start:end]))
 
 
 # -- pieces ------------------------------------------------------------------

@@ -57,7 +57,7 @@ from engine.pipeline.plan_memory import (  # noqa: F401 - plan.X stays the publi
     KV_U8_GROWTH, OS_RESERVE_FRACTION, OS_RESERVE_MIN_BYTES, PRECISION_BYTES, PRECISION_LADDERS, PRECISIONS,
     PREFILL_CHUNK, RUNTIME_RESERVE_BYTES, RUNTIME_RESERVE_FRACTION, SCALE_BYTES, SCORE_COPIES,
     U8_KV_SCALE_BYTES, VECTOR_BYTES, ZERO_POINT_BYTES, WeightCounts, _floats, _is_int, _is_num, _need,
-    check_precision, embedding_mapped, embedding_table_bytes, kv_element_bytes, kv_growth, os_reserve, precision_ladder, prefill_scratch,
+    check_precision, embedding_mapped, embedding_table_bytes, expert_copies, kv_element_bytes, kv_growth, os_reserve, precision_ladder, prefill_scratch,
     weight_bytes_of)
 from engine.pipeline.plan_search import MAX_EXHAUSTIVE_PEERS, REL_TIE, Search, StageSpec  # noqa: F401
 
@@ -250,6 +250,9 @@ class PlanModel:
     num_heads: int = 0  # query heads (prefill attention scores); 0 = hidden_size / head_dim
     intermediate_size: int = 0  # MLP width (prefill activations); 0 = 4 x hidden_size
     max_context: int = 0  # the model's maximum context; 0 = unknown (no clipping)
+    # The routed experts' part of each layer's parameters (MoE; zeros for a dense layer).
+    # Empty: a dense model. The CPU runtime holds these twice (plan_memory.EXPERT_COPIES).
+    layer_expert_params: tuple[WeightCounts, ...] = ()
 
     def __post_init__(self) -> None:
         _need(isinstance(self.model_id, str), "model_id must be a string")
@@ -278,6 +281,9 @@ class PlanModel:
             if getattr(self, n) is not None:
                 object.__setattr__(self, n, WeightCounts.of(getattr(self, n)))
         object.__setattr__(self, "layer_tail_params", WeightCounts.of(self.layer_tail_params))
+        object.__setattr__(self, "layer_expert_params", tuple(WeightCounts.of(c) for c in self.layer_expert_params))
+        _need(not self.layer_expert_params or len(self.layer_expert_params) == self.num_layers,
+              f"layer_expert_params has {len(self.layer_expert_params)} entries for {self.num_layers} layers")
 
     # -- weights per tensor kind at a precision
     def _as_matrix(self, nbytes: int) -> WeightCounts:
@@ -289,6 +295,12 @@ class PlanModel:
     def layer_weight_bytes(self, precision: str) -> list[int]:
         """Bytes of each layer in a shard at precision."""
         return [weight_bytes_of(self.layer_counts(i), precision) for i in range(self.num_layers)]
+
+    def expert_weight_bytes(self, precision: str) -> list[int]:
+        """Bytes of each layer's routed experts in a shard at precision (all 0 for a dense model)."""
+        if not self.layer_expert_params:
+            return [0] * self.num_layers
+        return [weight_bytes_of(c, precision) for c in self.layer_expert_params]
 
     def embedding_weight_bytes(self, precision: str) -> int:
         """Embedding tables at precision; int4 keeps them int8 (NNCF's backup mode)."""
@@ -345,12 +357,14 @@ class PlanModel:
                    checkpoint_precision=label if label in PRECISION_BYTES else "",
                    layer_params=layers if has else (), head_dim=head_dim or DEFAULT_HEAD_DIM,
                    num_heads=int(g("num_heads") or 0), intermediate_size=int(g("intermediate_size") or 0),
-                   max_context=int(g("max_context") or 0), **opt)
+                   max_context=int(g("max_context") or 0),
+                   layer_expert_params=_expert_counts(g("experts"), n, hidden, dtype), **opt)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["bytes_per_layer"] = list(self.bytes_per_layer)
         d["layer_params"] = [asdict(c) for c in self.layer_params]
+        d["layer_expert_params"] = [asdict(c) for c in self.layer_expert_params]
         return d
 
     @classmethod
@@ -358,7 +372,24 @@ class PlanModel:
         opt = lambda v: None if v is None else WeightCounts.of(v)  # noqa: E731
         return _from_dict(cls, d, bytes_per_layer=_tuple_of(lambda x: x),
                           layer_params=_tuple_of(WeightCounts.of), embedding_params=opt,
+                          layer_expert_params=_tuple_of(WeightCounts.of),
                           head_params=opt, layer_tail_params=WeightCounts.of)
+
+
+def _expert_counts(experts: Any, num_layers: int, hidden: int, dtype_bytes: float) -> tuple[WeightCounts, ...]:
+    """Per-layer routed-expert parameters from a profile's ExpertInfo (or its dict); () if dense.
+    An expert is gate + up [I, H] and down [H, I]: I from its bytes, its rows 2I + H."""
+    if not experts:
+        return ()
+    g = experts.get if isinstance(experts, Mapping) else (lambda k, d=None: getattr(experts, k, d))
+    n, per = int(g("num_experts") or 0), int(g("bytes_per_expert") or 0)
+    if n <= 0 or per <= 0 or hidden <= 0:
+        return ()
+    matrix = math.ceil(per / dtype_bytes)
+    inter = max(1, matrix // (3 * hidden))
+    one = WeightCounts(matrix=n * matrix, rows=n * (2 * inter + hidden))
+    moe = {int(i) for i in (g("moe_layers") or ())}
+    return tuple(one if i in moe else WeightCounts() for i in range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -593,6 +624,10 @@ class _Fleet:
         for b in model.layer_weight_bytes(self.precision):
             self.W.append(self.W[-1] + b)
         self.Wf = np.array(self.W, dtype=np.float64)
+        self.X = [0]  # X[i] = routed-expert bytes of layers [0, i) at the precision
+        for b in model.expert_weight_bytes(self.precision):
+            self.X.append(self.X[-1] + b)
+        self.Xf = np.array(self.X, dtype=np.float64)
         self.emb = model.embedding_weight_bytes(self.precision)
         self.head = model.head_weight_bytes(self.precision)
         self.tail = model.tail_extra_bytes(self.precision)  # a stage without the head pays it
@@ -631,6 +666,10 @@ class _Fleet:
         r = self.request.os_reserve_bytes
         return self.peers[peer_id].os_reserve_bytes() if r is None else r
 
+    def expert_extra(self, peer_id: str, device: str) -> float:
+        """Extra copies of the routed experts the device's runtime holds beyond the shard's one."""
+        return expert_copies(self.peers[peer_id].device(device).kind) - 1.0
+
     def mapped(self, peer_id: str, device: str, first: bool) -> int:
         """Embedding bytes a first stage on this device reads from the mapped file."""
         return self.emb if first and embedding_mapped(self.peers[peer_id].device(device).kind) else 0
@@ -642,7 +681,8 @@ class _Fleet:
         """Memory of a stage over [s, e) on this peer's device."""
         w = self.weights(s, e, first, last)
         mapped = self.mapped(peer_id, device, first)
-        rt = self.fixed(peer_id, device) + math.ceil(self.request.runtime_reserve_fraction * (w - mapped))
+        rt = (self.fixed(peer_id, device) + math.ceil(self.request.runtime_reserve_fraction * (w - mapped))
+              + math.ceil(self.expert_extra(peer_id, device) * (self.X[e] - self.X[s])))
         return StageMemory(w, mapped, self.kv_layer(peer_id, device) * (e - s), rt, self.os(peer_id))
 
     def bw(self, peer_id: str, device: str) -> float:

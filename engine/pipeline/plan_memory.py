@@ -103,6 +103,16 @@ KV_U8_GROWTH = 2.0
 # MatMul weight is repacked into anonymous memory (~1.0 x the file). GPU and NPU plugins copy
 # weights to the device: counted there (not measured here).
 EMBEDDING_MAPPED = {"CPU": True, "GPU": False, "NPU": False}
+# Copies of the routed MoE experts' weights a device's runtime holds. In a shard each
+# expert is its own MatMul whose batch is the tokens routed to it (0 up to a prefill
+# chunk). On the CPU plugin the worker's anonymous memory grows with every new mix of
+# routed batch sizes until it holds about one more copy of the expert weights: the growth
+# is proportional to the expert bytes at every precision (fp16 and int8 alike), while a
+# dense model's MatMuls, fed the same chunk sizes, do not grow. Measured with
+# `flotilla bench shards --arch qwen3_moe` (docs/bench/shards-moe: per-call anonymous
+# memory of each shard in its own process, beside the planner's figure). GPU and NPU: 1
+# (not measured here).
+EXPERT_COPIES = {"CPU": 2.0, "GPU": 1.0, "NPU": 1.0}
 # OS reserve: RAM a peer leaves to its OS and owner on top of what is free now. Free
 # RAM (MemAvailable) counts every reclaimable cache page as free; taking all of it
 # evicts the code and files the desktop and the owner's idle programs need (they keep
@@ -201,3 +211,8 @@ def embedding_table_bytes(vocab_size: int, hidden_size: int, precision: str) -> 
 def embedding_mapped(device_kind: str) -> bool:
     """The device's runtime reads the embedding from the mapped file (see EMBEDDING_MAPPED)."""
     return EMBEDDING_MAPPED.get(device_kind, False)
+
+
+def expert_copies(device_kind: str) -> float:
+    """Copies of the routed experts' weights the device's runtime holds (see EXPERT_COPIES)."""
+    return EXPERT_COPIES.get(device_kind, 1.0)

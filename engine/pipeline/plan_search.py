@@ -27,6 +27,7 @@ class Search:
         L = fleet.L
         idx = np.arange(L + 1)
         self.D = fleet.Wf[None, :] - fleet.Wf[:, None]  # D[s, e] = bytes of [s, e)
+        self.XD = fleet.Xf[None, :] - fleet.Xf[:, None]  # XD[s, e] = routed-expert bytes of [s, e)
         self.nl = idx[None, :] - idx[:, None]  # nl[s, e] = e - s
         self._cache: dict = {}
 
@@ -39,15 +40,17 @@ class Search:
             kvl, base = f.kv_layer(p, self.dev[p]), f.fixed(p, self.dev[p]) + f.os(p)
             emb = (f.emb - f.mapped(p, self.dev[p], True)) if first else 0  # what stage 0 holds of it
 
-            def fits(w, nl):  # the same sum as _Fleet.memory, for every range at once
-                tot = w + kvl * nl + base + np.ceil(frac * w)
+            xe = np.ceil(f.expert_extra(p, self.dev[p]) * self.XD)  # MoE experts' extra copies
+
+            def fits(w, nl, x):  # the same sum as _Fleet.memory, for every range at once
+                tot = w + kvl * nl + base + np.ceil(frac * w) + x
                 return (nl > 0) & (tot <= ram)
 
             comp = self.D / bw
-            ok = fits(self.D + emb + f.tail, self.nl)
+            ok = fits(self.D + emb + f.tail, self.nl, xe)
             w_last = self.D[:, -1] + emb + f.head
             comp_last = (self.D[:, -1] + f.head) / bw
-            ok_last = fits(w_last, self.nl[:, -1])
+            ok_last = fits(w_last, self.nl[:, -1], xe[:, -1])
             self._cache[key] = (comp, ok, comp_last, ok_last)
         return self._cache[key]
 

@@ -20,6 +20,11 @@ PIPELINE_SHARDS = Table("pipeline-shards", ("what", "figure", "how"), (
     Row("split / whole (goal ≤ 1.05)", "{shards-quick:split_over_whole|f3}", SHARDS),
     Row("split without the fix / whole", "{shards-quick:split_over_whole_without_fix|f3}", SHARDS),
     Row("one fused SDPA node per layer in every fused shard", "{shards-quick:fused_sdpa_all_shards}", SHARDS),
+    *(Row(f"{p}, whole model alone in a process: shard; planned; measured anonymous peak; plan vs measured",
+          f"{{{d}.shard_bytes|mib}}; {{{d}.planned.process_bytes|mib}}; {{{d}.measured.anon_peak_bytes|mib}}; "
+          f"{{{d}.plan_vs_anon|spct}}", SHARDS + " (memory runs: see the MoE section)")
+      for p, d in (("fp16", "shards-quick:memory.by_precision.fp16.whole.0"),
+                   ("int8", "shards-quick:memory.by_precision.int8.whole.0"))),
 ))
 
 _OPS = (("ScaledDotProductAttention (reading `MemoryInput` directly)", "ScaledDotProductAttention"),
@@ -32,6 +37,31 @@ PIPELINE_SHARD_OPS = Table("pipeline-shard-ops", ("runtime op", "with beam_idx (
     Row(what, f"{{shards-quick:{OPS}.fused.{op}|int}} / {{shards-quick:{OPS}.without_fix.{op}|int}}",
         SHARDS + ", `" + OPS + "`")
     for what, op in _OPS))
+
+
+MOE = "`flotilla bench shards --quick --arch qwen3_moe`"
+_MEM = "shards-moe:memory.by_precision"
+
+
+def _moe_memory_row(prec: str, name: str, i: int, what: str) -> Row:
+    r = f"{_MEM}.{prec}.{name}.{i}"
+    return Row(f"{prec}, {what}",
+               f"shard {{{r}.shard_bytes|mib}}; planned {{{r}.planned.process_bytes|mib}} "
+               f"(experts {{{r}.planned.expert_bytes|mib}}, counted twice); measured "
+               f"{{{r}.measured.anon_peak_bytes|mib}}; plan vs measured {{{r}.plan_vs_anon|spct}}", MOE)
+
+
+PIPELINE_MOE = Table("pipeline-moe", ("what", "figure", "how"), (
+    Row("benchmark model (random weights)",
+        "Qwen3-MoE, {shards-moe:model.layers|int} layers, hidden {shards-moe:model.hidden|int}, "
+        "{shards-moe:model.experts|int} experts of width {shards-moe:model.intermediate|int} (top-"
+        "{shards-moe:model.experts_per_token|int}), {shards-moe:model.f32_weights_mb|f0} MB f32", MOE),
+    Row("decode step, whole model / 2 shards (f32 shards, fused KV)",
+        "{shards-moe:whole_ms|f2} ms / {shards-moe:split_ms|f2} ms", MOE + ", after a 256-token prefill"),
+    Row("split / whole (goal ≤ 1.05)", "{shards-moe:split_over_whole|f3}", MOE),
+    *(_moe_memory_row(p, n, i, w) for p in ("fp16", "int8")
+      for n, i, w in (("whole", 0, "whole model"), ("split", 0, "stage 0 of 2"), ("split", 1, "stage 1 of 2"))),
+))
 
 
 def _streams(case: str) -> str:
@@ -67,4 +97,4 @@ PIPELINE_RATIOS = Table("pipeline-ratios", ("what", "figure", "how"), (
 ))
 
 FILE = REPO_ROOT / "docs" / "pipeline.md"
-TABLES = (PIPELINE_SHARDS, PIPELINE_SHARD_OPS, PIPELINE_TOK_S, PIPELINE_RATIOS)
+TABLES = (PIPELINE_SHARDS, PIPELINE_SHARD_OPS, PIPELINE_MOE, PIPELINE_TOK_S, PIPELINE_RATIOS)

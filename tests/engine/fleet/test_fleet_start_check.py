@@ -27,6 +27,13 @@ def test_start_need_counts_kv_at_the_runtime_precision():
     assert start_need(2 * GB, None, "CPU", False, 4096, 1) == StartNeed(2 * GB, 0, RUNTIME_RESERVE_BYTES)
 
 
+def test_start_need_adds_the_second_copy_of_moe_experts_on_cpu():
+    moe = {**MANIFEST, "expert_bytes": 3 * GB}  # routed experts of this shard at its precision
+    dense_cpu, moe_cpu = start_need(4 * GB, MANIFEST, "CPU", False, 4096, 1), start_need(4 * GB, moe, "CPU", False, 4096, 1)
+    assert moe_cpu.runtime - dense_cpu.runtime == 3 * GB and moe_cpu.weights == dense_cpu.weights
+    assert start_need(4 * GB, moe, "GPU.0", False, 4096, 1) == start_need(4 * GB, MANIFEST, "GPU.0", False, 4096, 1)
+
+
 def test_refusals_carry_a_code_and_numbers():
     policy = SharingPolicy(max_ram_gb=8)
     need = start_need(2 * GB, MANIFEST, "CPU", True, 32768, 4)  # 17 GB of f32 KV

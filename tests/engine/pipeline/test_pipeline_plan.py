@@ -199,6 +199,56 @@ def test_runtime_and_os_reserves_count():
     assert st.process_bytes == st.total_bytes - 7  # what the worker process itself holds
 
 
+def moe_model(n=4, dense=GB // 10, experts=GB // 2, hidden=1024):
+    """Layers of `dense` bytes of attention and router plus `experts` bytes of routed experts (bf16)."""
+    from engine.pipeline.plan_memory import WeightCounts
+
+    per = experts // 2  # bf16 elements
+    return PlanModel("moe", n, hidden, tuple([dense + experts] * n), 0, 0, 0, dtype_bytes=2,
+                     layer_expert_params=tuple([WeightCounts(matrix=per, rows=per // hidden)] * n))
+
+
+def test_moe_experts_count_twice_on_cpu_once_on_gpu():
+    # The CPU plugin ends up holding a second copy of the routed experts (plan_memory.EXPERT_COPIES).
+    m = moe_model()
+    cpu = evaluate_plan([("a", "CPU", 0, 4)], m, [peer("a", 100 * GB)], BF16).stages[0]
+    gpu = evaluate_plan([("a", "GPU", 0, 4)], m, [peer("a", 100 * GB, kind="GPU")], BF16).stages[0]
+    assert cpu.weight_bytes == gpu.weight_bytes == 4 * (GB // 10 + GB // 2)  # the shard itself
+    assert cpu.runtime_reserve_bytes - gpu.runtime_reserve_bytes == 4 * (GB // 2)  # one more copy of the experts
+    # int8 halves the shard and the extra copy alike (plus one scale and zero point per row).
+    int8 = evaluate_plan([("a", "CPU", 0, 4)], m, [peer("a", 100 * GB)], bare(weight_precision="int8")).stages[0]
+    assert int8.runtime_reserve_bytes == pytest.approx(4 * GB // 4, rel=0.01)
+    # A dense model of the same bytes has no such copy.
+    dense = evaluate_plan([("a", "CPU", 0, 4)], model(4, layer=GB // 10 + GB // 2), [peer("a", 100 * GB)], BF16)
+    assert dense.stages[0].runtime_reserve_bytes == 0
+
+
+def test_auto_plan_fits_moe_stages_with_their_expert_copies():
+    # 4 layers of 0.6 GB on CPU peers of 1.5 GB: by the shard alone two layers a peer would fit
+    # (1.2 GB); with the experts' second copy (1 GB more) only one does.
+    m = moe_model()
+    peers = [peer(p, int(1.5 * GB)) for p in "abcd"]
+    plan = auto_plan(m, peers, BF16)
+    assert plan.fits and sorted(layers(plan).values()) == [1, 1, 1, 1]
+    assert all(s.total_bytes <= s.ram_free_bytes for s in plan.stages)
+    two = evaluate_plan([("a", "CPU", 0, 2), ("b", "CPU", 2, 4)], m, peers, BF16)
+    assert not two.fits and two.stages[0].total_bytes == 2 * (GB // 10 + GB // 2) + 2 * (GB // 2)
+    # The same model round-trips through a dict with its expert counts.
+    assert PlanModel.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+
+
+def test_profile_experts_reach_the_plan_model():
+    from engine.models.profile import ExpertInfo
+
+    prof = SimpleNamespace(num_layers=2, hidden_size=64, bytes_per_layer=(1000, 1000), embedding_bytes=0,
+                           head_bytes=0, dtype_bytes=2, num_kv_heads=2, head_dim=32, model_id="m",
+                           experts=ExpertInfo(num_experts=8, top_k=2, bytes_per_expert=2 * 3 * 64 * 16,
+                                              shared_expert_bytes=0, moe_layers=(1,)))
+    m = PlanModel.from_profile(prof)
+    assert m.expert_weight_bytes("bf16") == [0, 8 * 3 * 64 * 16 * 2]  # layer 0 is dense
+    assert m.layer_expert_params[1].rows == 8 * (2 * 16 + 64)  # gate + up [16, 64], down [64, 16]
+
+
 # ---------------------------------------------------------------- links
 def test_slow_link_prefers_one_peer_that_holds_everything():
     m = model(8, layer=GB // 10)  # 2.5 ms per layer at 40 GB/s
