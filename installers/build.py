@@ -20,6 +20,11 @@ Steps:
 
 Cache: $FLOTILLA_DIST_CACHE, else build/dist-cache in the checkout; the two
 newest builds are kept. Prints a JSON summary (paths, sizes, seconds).
+
+`--low-priority --install-tools --no-copy` is how the test suite starts this
+build in the background at its beginning (tests/conftest.py): at the lowest CPU
+and I/O priority it uses the time the other tests leave idle, and the installers
+tests then wait for its cache entry (the cache lock) instead of building anew.
 """
 
 from __future__ import annotations
@@ -233,6 +238,30 @@ def build(repo: Path = P.REPO, cache_root: Path | None = None, package: bool = T
     return summary
 
 
+def ensure_build_tools() -> None:
+    """What `make dist` does first: install the `dist` extra's build tools (PyInstaller)
+    into this environment when they are missing."""
+    try:
+        import PyInstaller  # noqa: F401
+        return
+    except ImportError:
+        pass
+    reqs = subprocess.run([sys.executable, "-m", "installers.project", "dist-requirements"], cwd=P.REPO,
+                          capture_output=True, text=True, check=True).stdout.split()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *reqs], check=True)
+
+
+def lower_priority() -> None:
+    """Run this process (and what it starts) at the lowest CPU and I/O priority."""
+    import psutil
+
+    me = psutil.Process()
+    with contextlib.suppress(OSError, AttributeError, psutil.Error):
+        me.nice(19 if hasattr(os, "nice") else psutil.IDLE_PRIORITY_CLASS)
+    with contextlib.suppress(OSError, AttributeError, psutil.Error):
+        me.ionice(psutil.IOPRIO_CLASS_IDLE if hasattr(psutil, "IOPRIO_CLASS_IDLE") else psutil.IOPRIO_VERYLOW)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m installers.build", description=__doc__.split("\n")[0])
     ap.add_argument("--bundle-only", action="store_true", help="no .deb (Windows/macOS CI)")
@@ -242,9 +271,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(P.REPO / "dist"), help="copy the .deb here (default: dist/)")
     ap.add_argument("--cache", default=None, help="cache folder (default: $FLOTILLA_DIST_CACHE or build/dist-cache)")
     ap.add_argument("--summary", default=None, metavar="FILE", help="also write the JSON summary here (CI)")
+    ap.add_argument("--no-copy", action="store_true", help="leave the .deb in the cache (no copy to --out)")
+    ap.add_argument("--low-priority", action="store_true",
+                    help="lowest CPU and I/O priority: a build beside other work (the test suite)")
+    ap.add_argument("--install-tools", action="store_true", help="install PyInstaller first if it is missing")
     args = ap.parse_args(argv)
+    if args.low_priority:
+        lower_priority()
+    if args.install_tools:
+        ensure_build_tools()
     summary = build(cache_root=Path(args.cache) if args.cache else None, package=not args.bundle_only,
-                    rebuild=args.rebuild, compression=args.compression, out_dir=Path(args.out))
+                    rebuild=args.rebuild, compression=args.compression,
+                    out_dir=None if args.no_copy else Path(args.out))
     print(json.dumps(summary, indent=2))
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)

@@ -51,3 +51,46 @@ if os.environ.get("CI"):
     import pytest as _pytest
 
     _pytest.importorskip = _strict_importorskip
+
+
+# The Linux bundle's build (PyInstaller, ~4-7 min on 2 cores) starts in the background
+# as soon as the tests are collected, at the lowest CPU and I/O priority, so it runs in
+# the time the other tests leave idle instead of after them; tests/installers waits for
+# its cache entry (installers/build.py holds a lock while building). Its output is in
+# build/dist-cache/background-build.log; a failed background build is redone (and its
+# error shown) by the installers test itself. FLOTILLA_BACKGROUND_BUILD=0 turns it off.
+_BACKGROUND_BUILD = None
+
+
+def pytest_collection_finish(session):  # noqa: D103 - pytest hook
+    import shutil
+    import subprocess
+    import sys
+
+    global _BACKGROUND_BUILD
+    if os.environ.get("FLOTILLA_BACKGROUND_BUILD", "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    if shutil.which("dpkg-deb") is None or not any(
+            Path(str(item.path)).is_relative_to(REPO / "tests" / "installers" / "test_installers_linux_bundle.py")
+            for item in session.items):
+        return
+    log_dir = Path(os.environ.get("FLOTILLA_DIST_CACHE") or REPO / "build" / "dist-cache")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "background-build.log", "w") as log:
+        _BACKGROUND_BUILD = subprocess.Popen(
+            [sys.executable, "-m", "installers.build", "--low-priority", "--install-tools", "--no-copy"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: D103 - pytest hook
+    proc = _BACKGROUND_BUILD
+    if proc is None or proc.poll() is not None:
+        return
+    import signal
+
+    # Still running (the installers tests were not reached): stop the build we started, by its pid.
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except Exception:
+        os.killpg(proc.pid, signal.SIGKILL)

@@ -1,7 +1,8 @@
 """The Linux package, built from a clean copy of the tree, works.
 
-Builds the .deb with installers/build.py (PyInstaller + dpkg-deb; ~6-8 min on
-2 cores, reused within one CI run through the cache keyed by the sources and
+Builds the .deb with installers/build.py (PyInstaller + dpkg-deb; ~4-7 min on
+2 cores, started in the background when the suite starts: tests/conftest.py;
+reused within one CI run through the cache keyed by the sources and
 the environment: build/dist-cache), unpacks it like dpkg would, and runs the
 bundled executables from the unpacked /opt/flotilla, with no Python on PATH:
 `--version`, a real chat with the demo model built from scratch in an empty
@@ -39,24 +40,13 @@ pytestmark = [
 ]
 
 
-def _ensure_pyinstaller() -> None:
-    """What `make dist` does first: install the `dist` extra's build tools
-    (PyInstaller) into this environment when they are missing."""
-    try:
-        import PyInstaller  # noqa: F401
-        return
-    except ImportError:
-        pass
-    reqs = subprocess.run([sys.executable, "-m", "installers.project", "dist-requirements"], cwd=REPO,
-                          capture_output=True, text=True, check=True).stdout.split()
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *reqs], check=True)
-
-
 @pytest.fixture(scope="module")
 def built():
-    _ensure_pyinstaller()
     from installers import build
 
+    build.ensure_build_tools()
+    # The suite started this build in the background (tests/conftest.py); build() waits
+    # for its cache lock and reuses the entry, or builds here if that run failed.
     summary = build.build(out_dir=None)
     print(f"\n[installers] build {'reused from cache' if summary['cached'] else 'done'} in "
           f"{summary['total_s']} s (PyInstaller {summary.get('pyinstaller_s')} s, .deb {summary.get('deb_s')} s); "
