@@ -168,7 +168,9 @@ def render_figure(template: str, sources: dict[str, Source]) -> tuple[str, set[s
 
 def render_table(table: Table, sources: dict[str, Source] | None = None) -> str:
     sources = {} if sources is None else sources
-    lines = [f"| {' | '.join(table.header)} |", "|" + "---|" * len(table.header)]
+    # A figure column may hold several cells ("a | b"): its header names each.
+    columns = sum(h.count(" | ") + 1 for h in table.header)
+    lines = [f"| {' | '.join(table.header)} |", "|" + "---|" * columns]
     used_all: set[str] = set()
     for row in table.rows:
         try:

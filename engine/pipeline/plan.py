@@ -27,7 +27,9 @@ Memory of a stage (docs/planner.md has the measurements behind each number):
   bytes per element of the runtime's KV cache (``kv_element_bytes``: u8 +
   per-token scales on CPU by default, f32 in exact mode);
 - runtime reserve: measured fixed memory of a worker process + the prefill
-  chunk's activations and attention scores (``runtime_reserve``);
+  chunk's activations and attention scores (``runtime_reserve``), + on a CPU
+  the routed MoE experts' bytes once more (``EXPERT_COPIES``: the plugin ends
+  up holding them twice);
 - OS reserve: what the peer leaves to its OS and owner (``os_reserve``).
 The constants and byte formulas live in ``plan_memory``; the search in ``plan_search``.
 The sum must fit the peer's ``ram_free_bytes`` = min(free RAM, the agent's

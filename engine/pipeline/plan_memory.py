@@ -103,15 +103,16 @@ KV_U8_GROWTH = 2.0
 # MatMul weight is repacked into anonymous memory (~1.0 x the file). GPU and NPU plugins copy
 # weights to the device: counted there (not measured here).
 EMBEDDING_MAPPED = {"CPU": True, "GPU": False, "NPU": False}
-# Copies of the routed MoE experts' weights a device's runtime holds. In a shard each
-# expert is its own MatMul whose batch is the tokens routed to it (0 up to a prefill
-# chunk). On the CPU plugin the worker's anonymous memory grows with every new mix of
-# routed batch sizes until it holds about one more copy of the expert weights: the growth
-# is proportional to the expert bytes at every precision (fp16 and int8 alike), while a
-# dense model's MatMuls, fed the same chunk sizes, do not grow. Measured with
-# `flotilla bench shards --arch qwen3_moe` (docs/bench/shards-moe: per-call anonymous
-# memory of each shard in its own process, beside the planner's figure). GPU and NPU: 1
-# (not measured here).
+# Copies of the routed MoE experts' weights a device's runtime holds. The CPU plugin
+# chooses a MatMul kernel by the tokens in the call and, for matrices this small, packs
+# the weights differently for different batch sizes, keeping every packing it made. In a
+# shard each routed expert is its own MatMul whose batch is the tokens routed to it, a
+# different number every call, so a worker ends up holding its experts about twice.
+# Measured with `flotilla bench shards --arch qwen3_moe` (docs/bench/shards-moe and
+# shards-moe-a3b, Qwen3-30B-A3B's expert shape: each shard alone in a process, its
+# anonymous memory after every call beside the plan). Dense MatMuls are counted once
+# (the hidden-2048 Llama keeps one copy under the same calls; a hidden-1024 one does not:
+# docs/pipeline.md). GPU and NPU: 1 (not measured here).
 EXPERT_COPIES = {"CPU": 2.0, "GPU": 1.0, "NPU": 1.0}
 # OS reserve: RAM a peer leaves to its OS and owner on top of what is free now. Free
 # RAM (MemAvailable) counts every reclaimable cache page as free; taking all of it

@@ -20,11 +20,6 @@ PIPELINE_SHARDS = Table("pipeline-shards", ("what", "figure", "how"), (
     Row("split / whole (goal ≤ 1.05)", "{shards-quick:split_over_whole|f3}", SHARDS),
     Row("split without the fix / whole", "{shards-quick:split_over_whole_without_fix|f3}", SHARDS),
     Row("one fused SDPA node per layer in every fused shard", "{shards-quick:fused_sdpa_all_shards}", SHARDS),
-    *(Row(f"{p}, whole model alone in a process: shard; planned; measured anonymous peak; plan vs measured",
-          f"{{{d}.shard_bytes|mib}}; {{{d}.planned.process_bytes|mib}}; {{{d}.measured.anon_peak_bytes|mib}}; "
-          f"{{{d}.plan_vs_anon|spct}}", SHARDS + " (memory runs: see the MoE section)")
-      for p, d in (("fp16", "shards-quick:memory.by_precision.fp16.whole.0"),
-                   ("int8", "shards-quick:memory.by_precision.int8.whole.0"))),
 ))
 
 _OPS = (("ScaledDotProductAttention (reading `MemoryInput` directly)", "ScaledDotProductAttention"),
@@ -39,17 +34,11 @@ PIPELINE_SHARD_OPS = Table("pipeline-shard-ops", ("runtime op", "with beam_idx (
     for what, op in _OPS))
 
 
-MOE = "`flotilla bench shards --quick --arch qwen3_moe`"
-_MEM = "shards-moe:memory.by_precision"
-
-
-def _moe_memory_row(prec: str, name: str, i: int, what: str) -> Row:
-    r = f"{_MEM}.{prec}.{name}.{i}"
-    return Row(f"{prec}, {what}",
-               f"shard {{{r}.shard_bytes|mib}}; planned {{{r}.planned.process_bytes|mib}} "
-               f"(experts {{{r}.planned.expert_bytes|mib}}, counted twice); measured "
-               f"{{{r}.measured.anon_peak_bytes|mib}}; plan vs measured {{{r}.plan_vs_anon|spct}}", MOE)
-
+MOE = "`flotilla bench shards --quick --arch qwen3_moe --layers 4`"
+MOE_A3B = ("`flotilla bench shards --quick --arch qwen3_moe --hidden 2048 --layers 2 --experts 16 --top-k 8 "
+           "--heads 32 --kv-heads 4`")
+DENSE_2048 = "`flotilla bench shards --quick --hidden 2048 --layers 4 --inter 8192 --heads 32 --kv-heads 8`"
+DENSE_4096 = "`flotilla bench shards --quick --hidden 4096 --layers 2 --inter 14336 --heads 32 --kv-heads 8`"
 
 PIPELINE_MOE = Table("pipeline-moe", ("what", "figure", "how"), (
     Row("benchmark model (random weights)",
@@ -59,9 +48,33 @@ PIPELINE_MOE = Table("pipeline-moe", ("what", "figure", "how"), (
     Row("decode step, whole model / 2 shards (f32 shards, fused KV)",
         "{shards-moe:whole_ms|f2} ms / {shards-moe:split_ms|f2} ms", MOE + ", after a 256-token prefill"),
     Row("split / whole (goal ≤ 1.05)", "{shards-moe:split_over_whole|f3}", MOE),
-    *(_moe_memory_row(p, n, i, w) for p in ("fp16", "int8")
-      for n, i, w in (("whole", 0, "whole model"), ("split", 0, "stage 0 of 2"), ("split", 1, "stage 1 of 2"))),
 ))
+
+
+def _memory_row(src: str, what: str, prec: str, name: str, i: int, how: str) -> Row:
+    r = f"{src}:memory.by_precision.{prec}.{name}.{i}"
+    return Row(f"{what}, {prec}",
+               f"{{{r}.shard_bytes|mib}} | {{{r}.planned.process_bytes|mib}} | {{{r}.planned.expert_bytes|mib}} | "
+               f"{{{r}.measured.anon_peak_bytes|mib}} | {{{r}.plan_vs_anon|spct}}", how)
+
+
+WHOLE = (("whole", 0, "whole"),)
+_MEMORY_CASES = (
+    ("shards-quick", "Llama, hidden 1024, 8 layers", WHOLE, SHARDS),
+    ("shards-h2048", "Llama, hidden 2048 (Llama-3.2-1B's widths), 4 layers", WHOLE, DENSE_2048),
+    ("shards-h4096", "Llama, hidden 4096 (Llama-3.1-8B's widths), 2 layers", WHOLE, DENSE_4096),
+    ("shards-moe", "Qwen3-MoE, hidden 1024, 4 layers of 32 experts of width 768",
+     WHOLE + (("split", 0, "stage 0 of 2"), ("split", 1, "stage 1 of 2")), MOE),
+    ("shards-moe-a3b", "Qwen3-MoE at Qwen3-30B-A3B's expert shape (hidden 2048, width 768), 2 layers of 16 experts",
+     WHOLE, MOE_A3B),
+)
+
+PIPELINE_SHARD_MEMORY = Table(
+    "pipeline-shard-memory",
+    ("shard", "shard file | planned process | of which expert copy | measured anonymous peak | plan vs measured",
+     "how"),
+    tuple(_memory_row(src, f"{what}: {label}", prec, n, i, how)
+          for src, what, parts, how in _MEMORY_CASES for prec in ("fp16", "int8") for n, i, label in parts))
 
 
 def _streams(case: str) -> str:
@@ -97,4 +110,5 @@ PIPELINE_RATIOS = Table("pipeline-ratios", ("what", "figure", "how"), (
 ))
 
 FILE = REPO_ROOT / "docs" / "pipeline.md"
-TABLES = (PIPELINE_SHARDS, PIPELINE_SHARD_OPS, PIPELINE_MOE, PIPELINE_TOK_S, PIPELINE_RATIOS)
+TABLES = (PIPELINE_SHARDS, PIPELINE_SHARD_OPS, PIPELINE_MOE, PIPELINE_SHARD_MEMORY, PIPELINE_TOK_S,
+          PIPELINE_RATIOS)

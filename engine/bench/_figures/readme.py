@@ -44,7 +44,7 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
     Row("speculative decoding, 2 stages, K = 4, **synthetic** pair at 70 % acceptance",
         "{spec-quick:speedup_at_70pct|x}, output identical to greedy: {spec-quick:identical_to_greedy}",
         Q.format("spec") + " (damped target, noisy copy of its layer 0 as draft)"),
-    Row("speculative decoding, real pair `demo-draft` → `demo` (random weights)",
+    Row("speculative decoding, real pair `demo-draft` → `demo` (trained demos)",
         "acceptance {spec-quick:real_pair.acceptance|pct}, {spec-quick:real_pair.speedup|x}", Q.format("spec")),
     Row("MoE offloading, 16 requests, cache 25 % of experts",
         "Bevy {moe-quick:speedup_vs_on_demand|x} over on-demand, {moe-quick:speedup_vs_prefetch|x} over prefetch "

@@ -66,7 +66,7 @@ THROUGHPUT = Table("spec-throughput", ("what (2 stages, 1 stream, K = 4 fixed, g
     Row("prompt lookup on the synthetic target (story prompt)",
         "{%s:throughput.tok_s.lookup|f1} tok/s = {%s:throughput.speedup.lookup|x}; acceptance "
         "{%s:throughput.measured.lookup.acceptance|pct}" % (S, S, S), HOW),
-    Row("**real** pair `demo-draft` → `demo` (random weights, nothing tuned for agreement)",
+    Row("**real** pair `demo-draft` → `demo` (trained demos, nothing tuned for agreement)",
         "{%s:real_pair.tok_s.off|f1} → {%s:real_pair.tok_s.draft|f1} tok/s = {%s:real_pair.speedup|x}; "
         "acceptance {%s:real_pair.acceptance|pct} ({%s:real_pair.accepted_of_drafted|pct} of drafted tokens "
         "kept), {%s:real_pair.tokens_per_step|f2} tokens per verify step" % (S, S, S, S, S, S), HOW),
