@@ -111,8 +111,8 @@ EMBEDDING_MAPPED = {"CPU": True, "GPU": False, "NPU": False}
 # Measured with `flotilla bench shards --arch qwen3_moe` (docs/bench/shards-moe and
 # shards-moe-a3b, Qwen3-30B-A3B's expert shape: each shard alone in a process, its
 # anonymous memory after every call beside the plan). Dense MatMuls are counted once
-# (the hidden-2048 Llama keeps one copy under the same calls; a hidden-1024 one does not:
-# docs/pipeline.md). GPU and NPU: 1 (not measured here).
+# (Llamas of hidden 2048 and 4096 keep one copy under the same calls; a hidden-1024 one
+# does not: docs/pipeline.md). GPU and NPU: 1 (not measured here).
 EXPERT_COPIES = {"CPU": 2.0, "GPU": 1.0, "NPU": 1.0}
 # OS reserve: RAM a peer leaves to its OS and owner on top of what is free now. Free
 # RAM (MemAvailable) counts every reclaimable cache page as free; taking all of it
