@@ -80,6 +80,11 @@ def pytest_collection_finish(session):  # noqa: D103 - pytest hook
         _BACKGROUND_BUILD = subprocess.Popen(
             [sys.executable, "-m", "installers.build", "--low-priority", "--install-tools", "--no-copy"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    import threading
+
+    # Reap it the moment it exits: a finished build must not linger as our zombie child
+    # (tests that look for processes their code left behind list this process's children).
+    threading.Thread(target=_BACKGROUND_BUILD.wait, name="background-build-reaper", daemon=True).start()
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: D103 - pytest hook
@@ -87,10 +92,12 @@ def pytest_sessionfinish(session, exitstatus):  # noqa: D103 - pytest hook
     if proc is None or proc.poll() is not None:
         return
     import signal
+    import time
 
     # Still running (the installers tests were not reached): stop the build we started, by its pid.
     os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except Exception:
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:  # the reaper thread waits on it
+        time.sleep(0.2)
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
