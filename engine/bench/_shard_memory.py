@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine.bench._local_memory import proc_status
+
 SMALL_CHUNK_MAX = 128  # largest of the varied prefill chunks
 
 
@@ -41,11 +43,7 @@ def schedule(context: int, chunk: int, decode: int, seed: int = 0) -> list[int]:
 
 
 def _anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return proc_status().get("RssAnon", 0)
 
 
 def _child(shard: Path, calls: list[int], seed: int) -> dict[str, Any]:

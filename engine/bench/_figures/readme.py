@@ -65,7 +65,7 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{scale:precisions.int4.fleet.workers.0.rss_anon_peak_bytes|mib} / "
         "{scale:precisions.int4.fleet.workers.1.rss_anon_peak_bytes|mib} anonymous with 2 streams filling a 1024-token "
         "context, each agent + worker in a cgroup capped below the whole int4 model "
-        "({scale:precisions.int4.model_bytes|mib} of shard files); "
+        "({scale:precisions.int4.shard_bytes.0|mib} + {scale:precisions.int4.shard_bytes.1|mib} of shard files); "
         "{scale:precisions.int4.fleet.runs.1.tok_s|f1} tok/s (2 cores shared by both stages)",
         "`flotilla bench scale --precisions int4` (random weights; int8 / fp16, the 1B-shape runs "
         "and the agreement with transformers in docs/pipeline.md)"),
