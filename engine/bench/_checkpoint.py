@@ -47,7 +47,8 @@ class CheckpointError(RuntimeError):
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    """Shapes of a Llama-family decoder (transformers LlamaConfig) and how to draw it."""
+    """Shapes of a Llama-family decoder (transformers LlamaConfig), or of a Qwen3-MoE or
+    Mixtral one (experts saved per expert, as the hub checkpoints ship), and how to draw it."""
 
     name: str  # folder name prefix in the cache, e.g. "llama-3.1-8b-shape"
     hidden_size: int  # model width
@@ -64,31 +65,70 @@ class CheckpointSpec:
     init_std: float = 0.02  # std of every weight matrix (initializer_range)
     seed: int = 0  # base seed; each tensor draws from its own seed derived from its name
     max_file_bytes: int = 5 * 10**9  # target size of one safetensors file (HF uses ~5 GB)
-    extra: dict[str, Any] = field(default_factory=dict)  # more LlamaConfig fields, verbatim
+    extra: dict[str, Any] = field(default_factory=dict)  # more config fields, verbatim
+    # MoE shapes (arch "qwen3_moe" or "mixtral"; "llama" is dense). Left at their defaults
+    # they are not part of the digest, so dense checkpoints keep the folders they had.
+    arch: str = "llama"
+    num_experts: int = 0  # routed experts per layer
+    top_k: int = 0  # experts per token
+    expert_intermediate: int = 0  # one expert's FFN width (Qwen3 moe_intermediate_size)
+    head_dim_override: int = 0  # Qwen3: head_dim is not hidden / heads (0: hidden / heads)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_dim_override or self.hidden_size // self.num_heads
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every weight, in the order transformers saves them."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.num_kv_heads * self.head_dim
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
         out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab_size, h))]
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
             out += [(p + "input_layernorm.weight", (h,)),
-                    (p + "self_attn.q_proj.weight", (h, h)),
+                    (p + "self_attn.q_proj.weight", (q, h)),
                     (p + "self_attn.k_proj.weight", (kv, h)),
                     (p + "self_attn.v_proj.weight", (kv, h)),
-                    (p + "self_attn.o_proj.weight", (h, h)),
-                    (p + "post_attention_layernorm.weight", (h,)),
-                    (p + "mlp.gate_proj.weight", (i, h)),
-                    (p + "mlp.up_proj.weight", (i, h)),
-                    (p + "mlp.down_proj.weight", (h, i))]
+                    (p + "self_attn.o_proj.weight", (h, q))]
+            if self.arch == "qwen3_moe":
+                out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+            out.append((p + "post_attention_layernorm.weight", (h,)))
+            out += self._ffn(p)
         out.append(("model.norm.weight", (h,)))
         if not self.tie_word_embeddings:
             out.append(("lm_head.weight", (self.vocab_size, h)))
         return out
+
+    def _ffn(self, p: str) -> list[tuple[str, tuple[int, ...]]]:
+        h = self.hidden_size
+        if self.arch == "llama":
+            i = self.intermediate_size
+            return [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                    (p + "mlp.down_proj.weight", (h, i))]
+        i, E = self.expert_intermediate, self.num_experts
+        if self.arch == "qwen3_moe":
+            out = [(p + "mlp.gate.weight", (E, h))]
+            for e in range(E):
+                x = f"{p}mlp.experts.{e}."
+                out += [(x + "gate_proj.weight", (i, h)), (x + "up_proj.weight", (i, h)),
+                        (x + "down_proj.weight", (h, i))]
+            return out
+        if self.arch == "mixtral":
+            out = [(p + "block_sparse_moe.gate.weight", (E, h))]
+            for e in range(E):
+                x = f"{p}block_sparse_moe.experts.{e}."
+                out += [(x + "w1.weight", (i, h)), (x + "w2.weight", (h, i)), (x + "w3.weight", (i, h))]
+            return out
+        raise CheckpointError("bad_spec", f"unknown architecture {self.arch!r} (llama, qwen3_moe, mixtral)")
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of the routed experts in bf16 (0 for a dense model)."""
+        return 2 * sum(_numel(s) for n, s in self.tensors() if ".experts." in n)
+
+    @property
+    def config_class(self) -> str:
+        return {"llama": "LlamaConfig", "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}[self.arch]
 
     @property
     def params(self) -> int:
@@ -111,6 +151,17 @@ class CheckpointSpec:
                    hidden_act="silu", attention_bias=False, mlp_bias=False)
         if self.rope_scaling:
             cfg["rope_scaling"] = dict(self.rope_scaling)
+        if self.arch != "llama":
+            for k in ("intermediate_size", "mlp_bias"):
+                cfg.pop(k)
+            cfg.update(num_experts_per_tok=self.top_k)
+        if self.arch == "qwen3_moe":
+            cfg.update(num_experts=self.num_experts, moe_intermediate_size=self.expert_intermediate,
+                       intermediate_size=self.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
+                       norm_topk_prob=True)
+        elif self.arch == "mixtral":
+            cfg.update(num_local_experts=self.num_experts, intermediate_size=self.expert_intermediate)
+            cfg.pop("head_dim")
         cfg.update(self.extra)
         return cfg
 
@@ -118,7 +169,11 @@ class CheckpointSpec:
         """Identity of the bytes this spec builds (shapes, seed, std, layout, tokenizer corpus)."""
         from engine.models.demo import _corpus_digest
 
-        blob = json.dumps({"v": CHECKPOINT_FORMAT, "spec": asdict(self), "corpus": _corpus_digest(),
+        spec = asdict(self)
+        for name, default in _MOE_DEFAULTS.items():  # dense specs hash as they did before these fields
+            if spec[name] == default:
+                del spec[name]
+        blob = json.dumps({"v": CHECKPOINT_FORMAT, "spec": spec, "corpus": _corpus_digest(),
                            "block": BLOCK_ELEMENTS}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -126,6 +181,9 @@ class CheckpointSpec:
         """The same recipe with other shapes (tests: a model of a few MB)."""
         return replace(self, **changes)
 
+
+_MOE_DEFAULTS = {"arch": "llama", "num_experts": 0, "top_k": 0, "expert_intermediate": 0,
+                 "head_dim_override": 0}
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -138,6 +196,20 @@ LLAMA_3_1_8B = CheckpointSpec("llama-3.1-8b-shape", hidden_size=4096, intermedia
 LLAMA_3_2_1B = CheckpointSpec("llama-3.2-1b-shape", hidden_size=2048, intermediate_size=8192, num_layers=16,
                               num_heads=32, num_kv_heads=8, vocab_size=128256, tie_word_embeddings=True,
                               rope_scaling={**_LLAMA3_ROPE, "factor": 32.0}, max_file_bytes=2 * 10**9)
+
+
+# Qwen/Qwen3-30B-A3B: 48 layers, 128 experts of width 768, top-8; 30.5 B parameters, 61 GB in bf16.
+# Benchmarks build fewer layers (`scaled(num_layers=...)`) with the very same per-layer shapes.
+QWEN3_30B_A3B = CheckpointSpec("qwen3-30b-a3b-shape", hidden_size=2048, intermediate_size=6144, num_layers=48,
+                               num_heads=32, num_kv_heads=4, vocab_size=151936, rope_theta=1000000.0,
+                               max_position_embeddings=40960, rms_norm_eps=1e-6, arch="qwen3_moe",
+                               num_experts=128, top_k=8, expert_intermediate=768, head_dim_override=128,
+                               max_file_bytes=4 * 10**9)
+# mistralai/Mixtral-8x7B-v0.1: 32 layers, 8 experts of width 14336, top-2; 46.7 B parameters, 93 GB in bf16.
+MIXTRAL_8X7B = CheckpointSpec("mixtral-8x7b-shape", hidden_size=4096, intermediate_size=14336, num_layers=32,
+                              num_heads=32, num_kv_heads=8, vocab_size=32000, rope_theta=1000000.0,
+                              max_position_embeddings=32768, arch="mixtral", num_experts=8, top_k=2,
+                              expert_intermediate=14336, max_file_bytes=4 * 10**9)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -257,15 +329,15 @@ def _remove_orphans(target: Path) -> None:
 
 
 def _build(spec: CheckpointSpec, out: Path, say: Callable[[str], None]) -> None:
-    from transformers import LlamaConfig
+    import transformers
 
     from engine.models.demo import _tokenizer
 
     t0 = time.monotonic()
     tok = _tokenizer("demo")
-    config = LlamaConfig(**spec.config(tok.convert_tokens_to_ids("<|im_end|>"),
-                                       tok.convert_tokens_to_ids("<|endoftext|>")))
-    config.architectures = ["LlamaForCausalLM"]
+    config = getattr(transformers, spec.config_class)(**spec.config(tok.convert_tokens_to_ids("<|im_end|>"),
+                                                                    tok.convert_tokens_to_ids("<|endoftext|>")))
+    config.architectures = [spec.config_class.replace("Config", "ForCausalLM")]
     config.dtype = "bfloat16"
     config.save_pretrained(out)
     tok.save_pretrained(out)

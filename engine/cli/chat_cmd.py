@@ -64,10 +64,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto",
                    help="local engine: weight precision of the OpenVINO export, made once per format and cached: "
                         "auto (default) = the checkpoint's own dtype (bf16 for a bf16 checkpoint), f32, bf16, fp16, "
-                        "int8 (asymmetric, per channel) or int4 (symmetric, groups of 128)")
+                        "int8 (asymmetric, per channel) or int4 (symmetric, groups of 128); "
+                        "moe engine: auto or int8 (symmetric, per row; experts and resident matrices)")
     p.add_argument("--cache-budget", type=_parse_bytes, default=None, metavar="SIZE",
                    help="moe/sparse engines: RAM for cached experts/neurons, e.g. 2GB or 512MB "
-                        "(default: derived from free RAM)")
+                        "(default: what is left once the resident weights and the KV reserve are in)")
+    p.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                   help="moe engine: prompt + answer tokens per request; KV for this many is reserved "
+                        "per request up front (default: the model's, at most 4096)")
+    p.add_argument("--max-concurrent", type=int, default=None, metavar="N",
+                   help="moe engine: requests computed at once, each with its KV reserve (default 4)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,12 +100,27 @@ def open_engine_from_args(args: argparse.Namespace):
 
     spec = speculative_from_args(args)
     weights = getattr(args, "weights", "auto")
+    extra: dict = {"speculative": spec} if spec is not None else {}
+    if args.engine == "moe":
+        if weights not in ("auto", "int8"):
+            raise UserError(f"--weights {weights}: the moe engine keeps the checkpoint's dtype (auto) "
+                            "or quantizes to int8")
+        if weights == "int8":
+            extra["weights"] = "int8"
+        weights = "auto"
+        for name in ("context", "max_concurrent"):
+            value = getattr(args, name, None)
+            if value is not None:
+                if value < 1:
+                    raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+                extra["context_length" if name == "context" else name] = value
+    elif getattr(args, "context", None) is not None or getattr(args, "max_concurrent", None) is not None:
+        raise UserError("--context and --max-concurrent apply to the moe engine")
     if weights != "auto" and (args.engine != "local" or args.backend != "openvino"):
-        raise UserError("--weights applies to the local engine's OpenVINO backend "
+        raise UserError("--weights applies to the local engine's OpenVINO backend and the moe engine "
                         "(pipeline shards: `flotilla pipeline --weights`)")
     options = EngineOptions(device=args.device, precision=args.precision, backend=args.backend,
-                            cache_budget_bytes=args.cache_budget,
-                            extra={"speculative": spec} if spec is not None else {})
+                            cache_budget_bytes=args.cache_budget, extra=extra)
     progress = TerminalProgress()
     try:
         if weights != "auto":

@@ -24,9 +24,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-import psutil
-
 from engine.moe.store import Key, StoreIndex, aligned_buffer
+from engine.runtime.stored import STORAGE_DTYPES
 
 MB = 1e6
 
@@ -34,7 +33,7 @@ MB = 1e6
 @dataclass
 class _Slot:
     buf: object  # the aligned mmap the store reads into
-    views: tuple  # torch views (gate_up [2I, H], down [H, I]) over buf
+    views: dict  # part name -> torch view over buf (gate_up [2I, H], down [H, I], int8 scales)
     key: Key | None = None  # what it holds; None when free or being filled
     pins: int = 0  # users that must not see it evicted
     filling: bool = False  # a fetch is writing into it
@@ -63,19 +62,60 @@ def min_budget_bytes(index: StoreIndex) -> int:
     return index.top_k * index.blob_bytes
 
 
-def derive_budget(index: StoreIndex, fraction: float = 0.5) -> int:
-    """No budget given: half of the RAM available now, at most every expert."""
-    return int(min(index.total_expert_bytes, psutil.virtual_memory().available * fraction))
+def working_bytes(hidden: int, heads: int, vocab: int, top_k: int, inter: int, chunk: int, context: int,
+                  requests: int) -> int:
+    """RAM one pass needs beyond weights, KV and cache (a generous estimate): the rows of a
+    prefill chunk through attention and experts, its attention scores (heads x chunk x
+    context, f32), every request's logits, two widened weight blocks, and slack."""
+    from engine.runtime.stored import BLOCK_BYTES
+
+    rows = chunk * (16 * hidden + 2 * top_k * inter) * 4
+    scores = heads * chunk * context * 4
+    logits = 2 * requests * vocab * 4
+    return int(rows + scores + logits + 2 * BLOCK_BYTES + (32 << 20))
+
+
+class BudgetError(ValueError):
+    """The cache budget cannot work: below one layer's experts, or more than fits."""
+
+
+def plan_budget(index: StoreIndex, requested: int | None, room: int, kv_bytes: int, working: int) -> int:
+    """The cache budget, decided once the resident weights are loaded: `room` is the RAM
+    this process may still take (engine.platform.memory), `kv_bytes` the KV reserve not
+    yet touched, `working` what a pass needs (working_bytes). None: all that is left, at most
+    every expert. Refused, with the numbers: below the minimum, or more than is left."""
+    need = min_budget_bytes(index)
+    left = room - kv_bytes - working
+    if requested is None:
+        budget = min(index.total_expert_bytes, left)
+        if budget < need:
+            raise BudgetError(
+                f"no room for the expert cache: {room / MB:.0f} MB free after the resident weights, "
+                f"minus {kv_bytes / MB:.0f} MB KV reserve and {working / MB:.0f} MB working memory, leaves "
+                f"{max(left, 0) / MB:.0f} MB; the cache needs at least {need / MB:.1f} MB "
+                f"(lower the context or concurrent requests)")
+        return int(budget)
+    if requested < need:
+        raise BudgetError(
+            f"expert cache budget {requested / MB:.1f} MB is below one layer's top-{index.top_k} experts; "
+            f"the minimum is {need / MB:.1f} MB ({index.top_k} x {index.blob_bytes / MB:.2f} MB); "
+            f"all experts take {index.total_expert_bytes / MB:.1f} MB")
+    if requested > left:
+        raise BudgetError(
+            f"expert cache budget {requested / MB:.0f} MB does not fit: {room / MB:.0f} MB free after the "
+            f"resident weights, minus {kv_bytes / MB:.0f} MB KV reserve and {working / MB:.0f} MB working "
+            f"memory, leaves {max(left, 0) / MB:.0f} MB")
+    return int(requested)
 
 
 class ExpertCache:
-    def __init__(self, index: StoreIndex, budget_bytes: int | None, decay_every: int | None = None) -> None:
+    def __init__(self, index: StoreIndex, budget_bytes: int, decay_every: int | None = None) -> None:
         import torch
 
-        budget = derive_budget(index) if budget_bytes is None else int(budget_bytes)
+        budget = int(budget_bytes)
         need = min_budget_bytes(index)
         if budget < need:
-            raise ValueError(
+            raise BudgetError(
                 f"expert cache budget {budget / MB:.1f} MB is below one layer's top-{index.top_k} experts; "
                 f"the minimum is {need / MB:.1f} MB ({index.top_k} x {index.blob_bytes / MB:.2f} MB); "
                 f"all experts take {index.total_expert_bytes / MB:.1f} MB")
@@ -85,8 +125,8 @@ class ExpertCache:
         self._slots: list[_Slot] = []
         for _ in range(n):
             buf = aligned_buffer(index.blob_bytes)
-            views = tuple(torch.frombuffer(buf, dtype=torch.float32, count=_numel(p.shape), offset=p.offset)
-                          .view(*p.shape) for p in index.parts)
+            views = {p.name: torch.frombuffer(buf, dtype=STORAGE_DTYPES[p.dtype], count=_numel(p.shape),
+                                              offset=p.offset).view(*p.shape) for p in index.parts}
             self._slots.append(_Slot(buf, views))
         self._where: dict[Key, int] = {}  # resident key -> slot
         self._freq: dict[Key, _Freq] = {}
@@ -142,7 +182,7 @@ class ExpertCache:
         with self._cond:
             return key in self._where
 
-    def pin(self, key: Key) -> tuple | None:
+    def pin(self, key: Key) -> dict | None:
         """Pin a resident expert and return its weight views; None if not resident."""
         with self._cond:
             i = self._where.get(key)
@@ -151,7 +191,7 @@ class ExpertCache:
             self._slots[i].pins += 1
             return self._slots[i].views
 
-    def pin_many(self, keys) -> dict[Key, tuple]:
+    def pin_many(self, keys) -> dict[Key, dict]:
         """pin() each of `keys` under one lock: {key: views} of the resident ones."""
         out = {}
         with self._cond:

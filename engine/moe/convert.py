@@ -10,6 +10,10 @@ Everything else (attention, norms, routers, Qwen2-MoE's shared expert) goes
 into rest.safetensors under the names the transformers 5 modules use
 (`block_sparse_moe.` becomes `mlp.`), and stays resident.
 
+Weights keep the checkpoint's dtype (a bf16 checkpoint gives a bf16 store of the
+same expert bytes), or become int8 on request (`weights="int8"`). Conversion
+streams: one expert, or one resident tensor, in memory at a time.
+
 The store is written into a temporary folder and renamed into place, so an
 interrupted conversion never leaves a half-written store behind.
 """
@@ -26,9 +30,11 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 
-from engine.moe.store import (ALIGN, BLOB_FILE, INDEX_FILE, REST_FILE, BlobInfo, Part, StoreError,
-                              StoreIndex, align_up, checksum, default_checksum)
+from engine.moe.store import (ALIGN, BLOB_FILE, INDEX_FILE, REST_FILE, STORE_VERSION, BlobInfo, StoreError,
+                              StoreIndex, align_up, blob_parts, checksum, default_checksum)
+from engine.runtime.stored import STORAGE_DTYPES, dtype_name, quantize_rows
 
 Progress = Callable[[str, float], None]
 
@@ -50,21 +56,26 @@ def is_store(folder: Path, source: str | None = None) -> bool:
         d = json.loads((Path(folder) / INDEX_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return (Path(folder) / BLOB_FILE).exists() and (source is None or d.get("source") == source)
+    return ((Path(folder) / BLOB_FILE).exists() and d.get("version") == STORE_VERSION
+            and (source is None or d.get("source") == source))
 
 
-def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress | None = None) -> Path:
-    """Write the expert store of the checkpoint in `model_dir` to `out_dir`."""
+def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress | None = None,
+            weights: str | None = None) -> Path:
+    """Write the expert store of the checkpoint in `model_dir` to `out_dir`.
+
+    weights: None keeps the checkpoint's dtype (bf16 stays bf16); "int8" quantizes the
+    experts and the big resident matrices (projections, embeddings, head) per row.
+    Reads one expert (or one resident tensor) at a time from the memory-mapped files."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     report = progress or (lambda _m, _f: None)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if weights not in (None, "int8"):
+        raise StoreError(f"the moe engine keeps the checkpoint's dtype or quantizes to int8, not {weights!r}")
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     config = config.get("text_config", config)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise StoreError(f"{model_dir} has no safetensors weights (the MoE engine needs them)")
+    files = checkpoint_files(model_dir)
     handles = {f: safe_open(str(f), framework="pt") for f in files}
     where = {name: f for f, h in handles.items() for name in h.keys()}
 
@@ -83,10 +94,10 @@ def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress
         raise StoreError(f"{model_dir} has no routed experts (is it a MoE model?)")
 
     def load(name: str):
-        return handles[where[name]].get_tensor(name).float()
+        return handles[where[name]].get_tensor(name)
 
     def expert_tensors(layer: int, e: int):
-        """(gate [I,H], up [I,H], down [H,I]) of one expert, float32."""
+        """(gate [I,H], up [I,H], down [H,I]) of one expert, in the checkpoint's dtype."""
         if (layer, e) in per:
             p = per[(layer, e)]
             missing = {"gate", "up", "down"} - set(p)
@@ -95,13 +106,13 @@ def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress
             return load(p["gate"]), load(p["up"]), load(p["down"])
         s = stacked[layer]
         if "gate_up_proj" in s:
-            gu = handles[where[s["gate_up_proj"]]].get_slice(s["gate_up_proj"])[e].float()  # [2I, H]
+            gu = handles[where[s["gate_up_proj"]]].get_slice(s["gate_up_proj"])[e]  # [2I, H]
             inter = gu.shape[0] // 2
             gate, up = gu[:inter], gu[inter:]
         else:
-            gate = handles[where[s["gate_proj"]]].get_slice(s["gate_proj"])[e].float()
-            up = handles[where[s["up_proj"]]].get_slice(s["up_proj"])[e].float()
-        down = handles[where[s["down_proj"]]].get_slice(s["down_proj"])[e].float()
+            gate = handles[where[s["gate_proj"]]].get_slice(s["gate_proj"])[e]
+            up = handles[where[s["up_proj"]]].get_slice(s["up_proj"])[e]
+        down = handles[where[s["down_proj"]]].get_slice(s["down_proj"])[e]
         return gate, up, down
 
     keys = sorted(set(per) | {(layer, e) for layer, s in stacked.items()
@@ -111,10 +122,24 @@ def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress
     inter, hidden = gate.shape
     if down.shape[0] != hidden and down.shape[1] == hidden:  # some exports hold down as [I, H]
         raise StoreError(f"unexpected down_proj shape {tuple(down.shape)} (want [{hidden}, {inter}])")
-    data_bytes = (2 * inter * hidden + hidden * inter) * 4
+    source_dtype = dtype_name(gate.dtype)
+    dtype = weights or source_dtype
+    parts, data_bytes = blob_parts(inter, hidden, dtype)
     blob_bytes = align_up(data_bytes)
-    parts = (Part("gate_up", (2 * inter, hidden), 0), Part("down", (hidden, inter), 2 * inter * hidden * 4))
     algo = default_checksum()
+
+    def blob_of(gate, up, down, buf: np.ndarray) -> None:
+        """One expert's parts into buf (zero padded), as `parts` lays them out."""
+        gate_up = torch.cat([gate, up])  # [2I, H]
+        if dtype == "int8":
+            (gu, gu_s), (dn, dn_s) = quantize_rows(gate_up), quantize_rows(down)
+            tensors = {"gate_up": gu, "down": dn, "gate_up_scale": gu_s, "down_scale": dn_s}
+        else:
+            tensors = {"gate_up": gate_up.to(STORAGE_DTYPES[dtype]), "down": down.to(STORAGE_DTYPES[dtype])}
+        buf[:] = 0
+        for part in parts:
+            raw = tensors[part.name].contiguous().view(torch.uint8).numpy().ravel()
+            buf[part.offset:part.offset + part.nbytes] = raw
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
@@ -126,21 +151,18 @@ def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress
                 gate, up, down = expert_tensors(layer, e)
                 if tuple(gate.shape) != (inter, hidden) or tuple(down.shape) != (hidden, inter):
                     raise StoreError(f"expert {e} of layer {layer} has shapes unlike expert {e0} of layer {layer0}")
-                buf[:] = 0
-                flat = np.concatenate([gate.numpy().ravel(), up.numpy().ravel(), down.numpy().ravel()])
-                buf[:data_bytes] = flat.view(np.uint8)
+                blob_of(gate, up, down, buf)
                 offset = f.tell()
                 assert offset % ALIGN == 0
-                f.write(buf.tobytes())
+                f.write(buf.data)
                 blobs[(layer, e)] = BlobInfo(offset, checksum(algo, buf))
                 if i % 64 == 0:
-                    report(f"writing expert blobs ({i}/{len(keys)})", 0.1 + 0.8 * i / len(keys))
+                    report(f"writing expert blobs ({i}/{len(keys)})", 0.1 + 0.7 * i / len(keys))
             f.flush()
             os.fsync(f.fileno())
         # The rest, under transformers 5 module names; expert tensors are left out.
-        rest_tensors = {name.replace(".block_sparse_moe.", ".mlp."): handles[where[name]].get_tensor(name)
-                        .contiguous() for name in rest}
-        save_file(rest_tensors, str(tmp / REST_FILE))
+        report("writing the resident weights", 0.85)
+        write_rest(tmp / REST_FILE, [(name, handles[where[name]]) for name in sorted(rest)], weights)
         for name in _COPY:
             if (model_dir / name).exists():
                 shutil.copy2(model_dir / name, tmp / name)
@@ -151,7 +173,7 @@ def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress
             num_experts=num_experts or 1 + max(k[1] for k in keys),
             top_k=int(config.get("num_experts_per_tok") or 2), hidden=int(hidden), intermediate=int(inter),
             blob_bytes=blob_bytes, data_bytes=data_bytes, parts=parts, checksum_algo=algo, blobs=blobs,
-            source=source)
+            source=source, dtype=dtype, source_dtype=source_dtype)
         (tmp / INDEX_FILE).write_text(json.dumps(index.to_json()), encoding="utf-8")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -163,21 +185,92 @@ def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress
     return out_dir
 
 
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint; every file its index lists must be there."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise StoreError(f"{index} is unreadable: {e}") from None
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise StoreError(f"{model_dir} is missing {', '.join(missing)} "
+                             f"(listed in {index.name}); copy the whole checkpoint folder")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise StoreError(f"{model_dir} has no safetensors weights (the MoE engine needs them)")
+    return files
+
+
+def quantized(name: str, shape) -> bool:
+    """Resident tensors that int8 stores quantize: the big matrices (attention and shared-expert
+    projections, dense FFNs, embeddings, head). Norms, biases and routers keep their dtype."""
+    return len(shape) == 2 and name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
+
+
+def write_rest(path: Path, items: list[tuple[str, object]], weights: str | None) -> None:
+    """A safetensors file of the resident tensors (name, safe_open handle), written one
+    tensor at a time (the header first, from the shapes), renamed `block_sparse_moe.` ->
+    `mlp.`; int8 adds `<name>.qscale` (f32 [rows]) beside each quantized matrix."""
+    plan = []  # (out name, source name, handle, what: "copy" | "q" | "s", dtype, shape)
+    for name, h in items:
+        sl = h.get_slice(name)
+        shape, st_dtype = list(sl.get_shape()), sl.get_dtype()
+        out = name.replace(".block_sparse_moe.", ".mlp.")
+        if weights == "int8" and quantized(name, shape):
+            plan.append((out, name, h, "q", "I8", shape))
+            plan.append((out + SCALE_SUFFIX, name, h, "s", "F32", shape[:1]))
+        else:
+            plan.append((out, name, h, "copy", st_dtype, shape))
+    header, offset = {}, 0
+    for out, _n, _h, _w, st_dtype, shape in plan:
+        n = _ST_BYTES[st_dtype]
+        for d in shape:
+            n *= int(d)
+        header[out] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        pending: dict[str, torch.Tensor] = {}  # scales of the matrix just quantized
+        for out, name, h, what, _d, _s in plan:
+            if what == "s":
+                t = pending.pop(name)
+            else:
+                t = h.get_tensor(name)
+                if what == "q":
+                    t, pending[name] = quantize_rows(t)
+            f.write(t.contiguous().view(torch.uint8).numpy().data)
+            del t
+        f.flush()
+        os.fsync(f.fileno())
+
+
+SCALE_SUFFIX = ".qscale"
+_ST_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+
+
 def _stacked_count(handles, where, s: dict[str, str]) -> int:
     name = s.get("gate_up_proj") or s.get("gate_proj") or s["down_proj"]
     return int(handles[where[name]].get_slice(name).get_shape()[0])
 
 
-def store_dir_for(model_dir: Path, fingerprint: str) -> Path:
+def store_dir_for(model_dir: Path, fingerprint: str, weights: str | None = None) -> Path:
     """Where the store of a model lives: the Flotilla cache, never the user's folder."""
     from engine.models.demo import cache_root
 
-    return cache_root() / "moe-store" / f"{Path(model_dir).name}-{fingerprint}"
+    tail = f"-{weights}" if weights else ""
+    return cache_root() / "moe-store" / f"{Path(model_dir).name}-{fingerprint}{tail}"
 
 
-def ensure_store(model_dir: Path, fingerprint: str, progress: Progress | None = None) -> Path:
+def ensure_store(model_dir: Path, fingerprint: str, progress: Progress | None = None,
+                 weights: str | None = None) -> Path:
     """The store of a checkpoint, converted once and reused while its fingerprint holds."""
-    out = store_dir_for(model_dir, fingerprint)
+    out = store_dir_for(model_dir, fingerprint, weights)
     if not is_store(out, fingerprint):
-        convert(model_dir, out, source=fingerprint, progress=progress)
+        convert(model_dir, out, source=fingerprint, progress=progress, weights=weights)
     return out

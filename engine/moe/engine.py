@@ -12,6 +12,8 @@ strings and timings are engine.runtime's (the same as LocalEngine).
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 import logging
 import os
 import queue
@@ -24,12 +26,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from engine.moe.cache import ExpertCache
+from engine.moe.cache import BudgetError, ExpertCache, plan_budget, working_bytes
 from engine.moe.convert import ensure_store
 from engine.moe.fetcher import Fetcher
 from engine.moe.model import MoEModel
 from engine.moe.scheduler import ABLATIONS, SCHEDULERS, Seq, make_scheduler
-from engine.moe.store import ExpertStore, StoreConfig
+from engine.moe.store import ExpertStore, StoreConfig, StoreError
+from engine.platform.memory import memory_room
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.chat import chat_ids, prompt_ids
 from engine.runtime.detokenize import eos_token_ids
@@ -45,14 +48,16 @@ Progress = Callable[[str, float], None]
 @dataclass(frozen=True)
 class MoEConfig:
     scheduler: str = "bevy"  # "bevy", or a baseline: "on_demand", "prefetch", "resident" (or "on_demand_overlap")
-    cache_budget_bytes: int | None = None  # RAM for cached experts; None = half the free RAM
+    cache_budget_bytes: int | None = None  # RAM for cached experts; None = what is left once weights and KV are in
+    weights: str | None = None  # None: the checkpoint's dtype (bf16 stays bf16); "int8": quantized per row
+    kv_precision: str = "f16"  # KV cache dtype: "f16" (16-bit) or "f32" (exact, for equivalence tests)
     fetch_threads: int = 4  # parallel blob reads (keeps the disk queue full)
     direct_io: bool = True  # O_DIRECT reads, so figures show the disk, not the page cache
     verify: str = "always"  # checksum on "always" / "first" read of each blob / "never"
-    max_concurrent: int = 16  # requests in flight; more wait in line
+    max_concurrent: int = 4  # requests in flight (each reserves a full context of KV); more wait in line
     prefill_chunk: int = 256  # prompt tokens per pass
     torch_threads: int | None = None  # None: cores - 1 (one core left for I/O and hashing)
-    context_length: int | None = None  # cap on prompt + answer; None = the model's
+    context_length: int | None = None  # cap on prompt + answer; None = the model's, at most DEFAULT_CONTEXT
 
     @classmethod
     def from_options(cls, options: Any) -> "MoEConfig":
@@ -65,6 +70,10 @@ class MoEConfig:
         if getattr(options, "cache_budget_bytes", None) is not None:
             extra.setdefault("cache_budget_bytes", options.cache_budget_bytes)
         return cls(**extra)
+
+
+DEFAULT_CONTEXT = 4096  # KV reserved per request when no context is asked (models train to 32k+)
+KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
 
 
 class _NoStream:
@@ -92,17 +101,29 @@ class MoEEngine(Engine):
         self.config = config
         self.logits_hook = logits_hook  # tests: sees every logits vector handed to sampling
         torch.set_num_threads(config.torch_threads or max(1, (os.cpu_count() or 2) - 1))
+        if config.kv_precision not in KV_DTYPES:
+            raise EngineError(f"kv_precision must be one of {', '.join(KV_DTYPES)}, not {config.kv_precision!r}")
         self.store = ExpertStore(store_dir, StoreConfig(direct=config.direct_io, verify=config.verify))
         try:
+            trained = int(_config_value(store_dir, "max_position_embeddings") or DEFAULT_CONTEXT)
+            self.context_length = min(config.context_length or DEFAULT_CONTEXT, trained)
+            report("loading the resident weights", 0.3)
+            self.model = MoEModel(store_dir, self.store.index, kv_slots=config.max_concurrent,
+                                  kv_capacity=self.context_length, kv_dtype=KV_DTYPES[config.kv_precision])
             budget = config.cache_budget_bytes
             if config.scheduler == "resident":  # the upper bound: every expert in RAM
                 budget = self.store.index.total_expert_bytes
             try:
+                m, ix = self.model, self.store.index
+                working = working_bytes(m.hidden, m.heads, int(m.config.vocab_size), ix.top_k, ix.intermediate,
+                                        config.prefill_chunk, self.context_length, config.max_concurrent)
+                budget = plan_budget(ix, budget, memory_room(), m.kv.nbytes, working)
                 self.cache = ExpertCache(self.store.index, budget)
-            except ValueError as e:
+            except BudgetError as e:
                 raise EngineError(str(e)) from None
-            report("loading the resident weights", 0.3)
-            self.model = MoEModel(store_dir, self.store.index)
+            self.memory = {"resident_bytes": self.model.resident_bytes(), "kv_reserve_bytes": self.model.kv.nbytes,
+                           "cache_budget_bytes": budget, "working_bytes": working, "kv_precision": config.kv_precision,
+                           "weights": self.store.index.dtype}
             if config.scheduler == "resident":
                 report("loading every expert", 0.6)
                 self.cache.preload(self.store, self.store.keys)
@@ -111,8 +132,6 @@ class MoEEngine(Engine):
         except BaseException:
             self.store.close()
             raise
-        trained = int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
-        self.context_length = min(config.context_length, trained) if config.context_length else trained
         self.eos_ids = eos_token_ids(Path(store_dir), self.tokenizer)
         self.fetcher = Fetcher(self.store, self.cache, config.fetch_threads)
         self.scheduler = make_scheduler(config.scheduler, self.model, self.cache, self.fetcher)
@@ -134,7 +153,10 @@ class MoEEngine(Engine):
         resolved = resolve_model(spec, progress)
         if resolved.weights_format != "safetensors":
             raise EngineError(f"{resolved.model_id}: the moe engine needs a safetensors checkpoint")
-        store_dir = ensure_store(resolved.path, resolved.fingerprint, progress)
+        try:
+            store_dir = ensure_store(resolved.path, resolved.fingerprint, progress, weights=config.weights)
+        except StoreError as e:
+            raise EngineError(str(e)) from None
         return cls(store_dir, resolved.model_id, config, progress, **kw)
 
     @property
@@ -144,7 +166,7 @@ class MoEEngine(Engine):
     def stats(self) -> dict[str, Any]:
         """Counters for benchmarks (read while idle for consistent figures)."""
         c, f, s = self.cache.stats, self.fetcher.stats, self.scheduler.stats
-        return {"scheduler": self.config.scheduler, "cache_slots": self.cache.capacity,
+        return {**self.memory, "scheduler": self.config.scheduler, "cache_slots": self.cache.capacity,
                 "direct_io": self.store.direct, "demands": c.demands, "hits": c.hits,
                 "hit_rate": c.hit_rate, "bytes_read": self.store.bytes_read, "blobs_read": self.store.reads,
                 "speculative_reads": f.speculative, "io_busy_s": f.busy_s, "compute_s": s.compute_s,
@@ -250,7 +272,15 @@ def open_moe_engine(spec: str, options: Any, progress: Progress | None = None) -
     """The factory's opener for `--engine moe` (EngineOptions -> MoEConfig)."""
     if str(getattr(options, "device", "CPU")).upper() != "CPU":
         raise EngineError(f"the moe engine runs on the CPU only, not {options.device!r}")
-    return MoEEngine.from_spec(spec, MoEConfig.from_options(options), progress)
+    config = MoEConfig.from_options(options)
+    if getattr(options, "precision", "default") == "f32" and "kv_precision" not in (options.extra or {}):
+        config = dataclasses.replace(config, kv_precision="f32")
+    return MoEEngine.from_spec(spec, config, progress)
+
+
+def _config_value(store_dir: Path, key: str):
+    config = json.loads((Path(store_dir) / "config.json").read_text(encoding="utf-8"))
+    return config.get("text_config", config).get(key)
 
 
 def _one_line(e: BaseException) -> str:

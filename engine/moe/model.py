@@ -18,7 +18,10 @@ A forward pass is split into steps a scheduler can interleave across requests:
         b = advance(L + 1, [(b, seqs)])    # residual + routed (+ shared), rows of finished requests
     logits = head(b)                       # [B, vocab] of each request's last position
 
-Everything is float32 and inference-only.
+Weights stay in the store's dtype (the checkpoint's, or int8) and are widened a block at
+a time for float32 matmuls (engine/runtime/stored.py); norms, routers and biases are
+float32 (a widening of their exact values, < 1 % of the bytes) so routing is computed
+as transformers computes it. KV is 16-bit by default. Inference only.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.moe.store import REST_FILE, StoreIndex
+from engine.runtime.stored import StoredEmbedding, StoredLinear, linear
 
 
 @dataclass(eq=False)
@@ -80,18 +84,32 @@ class Batch:
 
 class KVPool:
     """Keys and values of every request, per layer: [slots, kv_heads, capacity, head_dim],
-    grown (doubled) when a request needs more positions. A request owns one slot."""
+    reserved up front for `slots` concurrent requests of `capacity` positions each (a
+    request owns one slot; the engine admits no more than `slots`). 16-bit by default
+    (float16: the KV llama.cpp keeps); tests comparing with transformers ask float32.
+    The tensors are zero pages until written, so RAM fills as contexts do."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int = 4, capacity: int = 64) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int = 4, capacity: int = 4096,
+                 dtype: torch.dtype = torch.float16) -> None:
         self.layers, self.kvh, self.d = layers, kv_heads, head_dim
-        self.slots, self.cap = slots, capacity
-        self.k = [torch.zeros(slots, kv_heads, capacity, head_dim) for _ in range(layers)]
-        self.v = [torch.zeros(slots, kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.slots, self.cap, self.dtype = slots, capacity, dtype
+        self.k = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
         self._free = list(range(slots))[::-1]
+
+    @staticmethod
+    def reserve_bytes(layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int,
+                      dtype: torch.dtype = torch.float16) -> int:
+        """What a pool of this shape reserves (K and V of every layer)."""
+        return 2 * layers * slots * kv_heads * capacity * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.reserve_bytes(self.layers, self.kvh, self.d, self.slots, self.cap, self.dtype)
 
     def take(self) -> int:
         if not self._free:
-            self._resize(self.slots * 2, self.cap)
+            raise RuntimeError(f"every one of the {self.slots} KV slots is taken")
         return self._free.pop()
 
     def give(self, slot: int) -> None:
@@ -99,24 +117,12 @@ class KVPool:
 
     def ensure(self, length: int) -> None:
         if length > self.cap:
-            cap = self.cap
-            while cap < length:
-                cap *= 2
-            self._resize(self.slots, cap)
-
-    def _resize(self, slots: int, cap: int) -> None:
-        for t in (self.k, self.v):
-            for i, old in enumerate(t):
-                new = torch.zeros(slots, self.kvh, cap, self.d)
-                new[:self.slots, :, :self.cap] = old
-                t[i] = new
-        self._free.extend(range(slots - 1, self.slots - 1, -1))
-        self.slots, self.cap = slots, cap
+            raise ValueError(f"{length} positions exceed the KV reserve of {self.cap} per request")
 
 
 class MoEModel:
-    def __init__(self, store_dir: Path, index: StoreIndex) -> None:
-        from safetensors.torch import load_file
+    def __init__(self, store_dir: Path, index: StoreIndex, kv_slots: int = 4, kv_capacity: int = 4096,
+                 kv_dtype: torch.dtype = torch.float16) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.index = index
@@ -129,18 +135,7 @@ class MoEModel:
         self.moe_layers = frozenset(index.moe_layers)
         for i in self.moe_layers:  # the routed experts live in the store, not here
             self.layers[i].mlp.experts = torch.nn.Identity()
-        state = load_file(str(Path(store_dir) / REST_FILE))
-        state = {k: v.float() for k, v in state.items()}
-        result = model.load_state_dict(state, strict=False, assign=True)
-        if result.unexpected_keys:
-            raise ValueError(f"unexpected weights in {REST_FILE}: {result.unexpected_keys[:5]}")
-        if getattr(config, "tie_word_embeddings", False):
-            model.lm_head.weight = model.model.embed_tokens.weight
-        # RoPE tables are non-persistent buffers: rebuild them on the CPU.
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-        meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
-        if meta:
-            raise ValueError(f"weights missing from {REST_FILE}: {meta[:5]}")
+        _load_resident(model, Path(store_dir) / REST_FILE, config)
         self.model = model.eval()
         self.hidden = int(config.hidden_size)
         self.act = _act(config)
@@ -152,20 +147,33 @@ class MoEModel:
         self.family = str(config.model_type)
         self.clip_qkv = getattr(config, "clip_qkv", None)
         self.windows = [_window(config, i) for i in range(len(self.layers))]
-        self.kv = KVPool(len(self.layers), self.kv_heads, self.head_dim)
-        # q, k and v projections fused into one matmul per layer: [(heads + 2 kvh) d, H].
+        self.kv = KVPool(len(self.layers), self.kv_heads, self.head_dim, kv_slots, kv_capacity, kv_dtype)
+        # q, k and v projections fused into one matmul per layer: [(heads + 2 kvh) d, H], in the
+        # weights' dtype; the three modules are dropped so that no weight is held twice.
         self.qkv = []
         for lay in self.layers:
             a = lay.self_attn
-            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-            bias = None
-            if a.q_proj.bias is not None:
-                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            self.qkv.append((w, bias))
+            q, k, v = a.q_proj, a.k_proj, a.v_proj
+            scale = None if q.scale is None else torch.cat([q.scale, k.scale, v.scale])
+            bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])
+            self.qkv.append(StoredLinear(torch.cat([q.weight, k.weight, v.weight]), scale, bias))
+            a.q_proj = a.k_proj = a.v_proj = None
         self._split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         rope = self.model.model.rotary_emb
         self._rope_static = getattr(rope, "rope_type", "default") == "default"
         self._cos = self._sin = torch.empty(0, self.head_dim)  # RoPE table [positions, d] (static RoPE)
+
+    def resident_bytes(self) -> int:
+        """Bytes of every resident weight (what the model holds besides experts and KV)."""
+        seen, n = set(), 0
+        tensors = [t for m in list(self.model.modules()) + self.qkv if isinstance(m, (StoredLinear, StoredEmbedding))
+                   for t in (m.weight, m.scale, getattr(m, "bias", None)) if t is not None]
+        tensors += list(self.model.parameters()) + list(self.model.buffers())
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                n += t.numel() * t.element_size()
+        return n
 
     @property
     def num_layers(self) -> int:
@@ -233,8 +241,7 @@ class MoEModel:
     def _attention(self, b: Batch, attn, xn: torch.Tensor) -> torch.Tensor:
         """Self-attention of every row of b (xn [N, H] normed input) -> [N, H]."""
         N, d = xn.shape[0], self.head_dim
-        w, bias = self.qkv[b.layer]
-        q, k, v = F.linear(xn, w, bias).split(self._split, dim=-1)  # [N, heads * d], [N, kvh * d] x2
+        q, k, v = self.qkv[b.layer](xn).split(self._split, dim=-1)  # [N, heads * d], [N, kvh * d] x2
         if self.family == "olmoe":  # q/k norm over all heads, then optional clipping
             q, k = attn.q_norm(q), attn.k_norm(k)
             if self.clip_qkv is not None:
@@ -250,11 +257,11 @@ class MoEModel:
         if all(n == 1 for n in b.ns):  # decode: one padded SDPA over every request
             slots = torch.tensor([s.slot for s in b.states], dtype=torch.long)
             pos = b.pos  # [B] (one row per request)
-            pk[slots, :, pos] = k  # [B, kvh, d] written at each request's position
-            pv[slots, :, pos] = v
+            pk[slots, :, pos] = k.to(pk.dtype)  # [B, kvh, d] written at each request's position
+            pv[slots, :, pos] = v.to(pv.dtype)
             T = int(pos.max()) + 1
-            keys = pk[:, :, :T].index_select(0, slots)  # [B, kvh, T, d]
-            vals = pv[:, :, :T].index_select(0, slots)
+            keys = pk[:, :, :T].index_select(0, slots).float()  # [B, kvh, T, d]
+            vals = pv[:, :, :T].index_select(0, slots).float()
             mask = None
             if len(b.ns) > 1 and int(pos.min()) + 1 < T or window is not None:
                 j = torch.arange(T)[None, :]
@@ -268,10 +275,11 @@ class MoEModel:
         outs = []
         for s, start, n in zip(b.states, b.starts, b.ns):  # prefill (or mixed): request by request
             p0 = s.past
-            pk[s.slot, :, p0:p0 + n] = k[start:start + n].transpose(0, 1)
-            pv[s.slot, :, p0:p0 + n] = v[start:start + n].transpose(0, 1)
+            pk[s.slot, :, p0:p0 + n] = k[start:start + n].transpose(0, 1).to(pk.dtype)
+            pv[s.slot, :, p0:p0 + n] = v[start:start + n].transpose(0, 1).to(pv.dtype)
             T = p0 + n
-            keys, vals = pk[s.slot:s.slot + 1, :, :T], pv[s.slot:s.slot + 1, :, :T]  # [1, kvh, T, d]
+            keys = pk[s.slot:s.slot + 1, :, :T].float()  # [1, kvh, T, d]
+            vals = pv[s.slot:s.slot + 1, :, :T].float()
             qi = q[start:start + n].transpose(0, 1)[None]  # [1, heads, n, d]
             mask = None
             if n > 1 or window is not None:
@@ -311,11 +319,10 @@ class MoEModel:
         return set(experts.unique().tolist())
 
     @torch.inference_mode()
-    def apply_expert(self, expert: int, views: tuple, parts: list[tuple[Batch, list[int]]]) -> None:
+    def apply_expert(self, expert: int, views: dict, parts: list[tuple[Batch, list[int]]]) -> None:
         """One expert on the rows routed to it of requests parts[j][1] of batch parts[j][0]
         (batches at one layer): one matmul set, the outputs scaled by their routing
         weights and added to each batch."""
-        gate_up, down = views  # [2I, H], [H, I]
         picks = []
         for b, who in parts:
             by = b.route[expert]
@@ -330,8 +337,8 @@ class MoEModel:
             rows = parts[0][0].h.index_select(0, picks[0][0])  # [m, H]
         else:
             rows = torch.cat([b.h.index_select(0, p[0]) for (b, _), p in zip(parts, picks)])
-        gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)  # [m, I] each
-        out = F.linear(self.act(gate) * up, down)  # [m, H]
+        gate, up = linear(rows, views["gate_up"], views.get("gate_up_scale")).chunk(2, dim=-1)  # [m, I] each
+        out = linear(self.act(gate) * up, views["down"], views.get("down_scale"))  # [m, H]
         start = 0
         for (b, _), (r, f) in zip(parts, picks):
             m = len(r)
@@ -372,6 +379,56 @@ class MoEModel:
         last = torch.tensor([starts[i] + b.ns[i] - 1 for i in want], dtype=torch.long)
         x = self.model.model.norm(b.x.index_select(0, last))
         return self.model.lm_head(x)  # [len(want), vocab]
+
+
+def _load_resident(model, path: Path, config) -> None:
+    """Put rest.safetensors into the meta-device `model`, one tensor at a time: every
+    nn.Linear and nn.Embedding becomes a Stored one over its tensor as stored (int8 ones
+    with their `.qscale`), everything else (norms, routers, biases) a float32 parameter."""
+    from safetensors import safe_open
+
+    from engine.moe.convert import SCALE_SUFFIX
+
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor | None:
+            if name not in names:
+                return None
+            used.add(name)
+            return f.get_tensor(name)
+
+        for mname, module in list(model.named_modules()):
+            if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                continue
+            weight = take(f"{mname}.weight")
+            if weight is None:
+                continue  # a tied head: set below
+            scale = take(f"{mname}.weight{SCALE_SUFFIX}")
+            if isinstance(module, torch.nn.Embedding):
+                new = StoredEmbedding(weight, scale)
+            else:
+                bias = take(f"{mname}.bias")
+                new = StoredLinear(weight, scale, bias)
+            parent, _, leaf = mname.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        state = {n: f.get_tensor(n).float() for n in names - used}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ValueError(f"unexpected weights in {REST_FILE}: {result.unexpected_keys[:5]}")
+    head = model.lm_head
+    if not isinstance(head, StoredLinear):
+        if not getattr(config, "tie_word_embeddings", False):
+            raise ValueError(f"lm_head.weight is missing from {REST_FILE}")
+        emb = model.model.embed_tokens
+        model.lm_head = StoredLinear(emb.weight, emb.scale)
+    # RoPE tables are non-persistent buffers: rebuild them on the CPU.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    meta += [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    if meta:
+        raise ValueError(f"weights missing from {REST_FILE}: {meta[:5]}")
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ of a random model does not collapse into one repeated token.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.models.demo import DemoRecipe
 
 _COMMON = dict(initializer_range=0.1, max_position_embeddings=4096, tie_word_embeddings=False)
@@ -33,6 +35,17 @@ TINY_QWEN3_MOE = DemoRecipe(
          head_dim=16, norm_topk_prob=True, rms_norm_eps=1e-6),
     seed=13, description="tiny Qwen3-MoE, 3 layers x 8 experts (top-2)", tokenizer_of="demo",
 )
+
+
+# Saved in bf16, as real MoE checkpoints ship. Qwen3's expert width is 64 here so that an
+# expert blob (3 x 64 x 64 x 2 bytes = 6 pages) needs no padding: the store's bytes on disk
+# are then exactly the checkpoint's expert bytes.
+TINY_QWEN3_MOE_BF16 = replace(
+    TINY_QWEN3_MOE, demo_id="moe-tiny-qwen3moe-bf16", dtype="bf16",
+    config=dict(TINY_QWEN3_MOE.config, moe_intermediate_size=64),
+    description="tiny Qwen3-MoE in bf16, 3 layers x 8 experts (top-2)")
+TINY_MIXTRAL_BF16 = replace(TINY_MIXTRAL, demo_id="moe-tiny-mixtral-bf16", dtype="bf16",
+                            description="tiny Mixtral in bf16, 3 layers x 8 experts (top-2)")
 
 
 def bench_recipe(layers: int, experts: int, hidden: int, moe_inter: int, top_k: int = 2) -> DemoRecipe:

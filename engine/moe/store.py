@@ -10,8 +10,10 @@ Layout of a store folder (written by convert.py):
     config.json, tokenizer files
 
 A blob holds one expert's gate_up [2I, H] (gate rows first, then up rows: the
-transformers 5 `gate_up_proj[e]` layout) followed by down [I->H] as [H, I],
-float32. Reads go straight from the disk into a caller's page-aligned buffer
+transformers 5 `gate_up_proj[e]` layout) followed by down [I->H] as [H, I], in
+the checkpoint's own dtype (bf16, fp16 or f32: the bytes it ships, no widening)
+or, when asked, int8 with one f32 scale per output row after the two matrices
+(`gate_up_scale` [2I], `down_scale` [H]). Every part says its dtype. Reads go straight from the disk into a caller's page-aligned buffer
 (a cache slot) unbuffered -- O_DIRECT on Linux, FILE_FLAG_NO_BUFFERING on
 Windows, F_NOCACHE on macOS (engine/platform/pread.py) -- so benchmark figures
 reflect the disk and not the page cache; where that is not in effect (a file
@@ -49,7 +51,7 @@ ALIGN = 4096  # O_DIRECT needs offsets, sizes and buffers aligned to the logical
 INDEX_FILE = "index.json"
 BLOB_FILE = "experts.bin"
 REST_FILE = "rest.safetensors"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: parts carry their dtype (1 was float32 only)
 VERIFY_MODES = ("always", "first", "never")
 
 Key = tuple[int, int]  # (layer, expert)
@@ -101,9 +103,37 @@ def checksum(algo: str, data: Any) -> str:
 # -- the index -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Part:
-    name: str  # "gate_up" [2I, H] or "down" [H, I]
-    shape: tuple[int, ...]  # float32 elements
+    name: str  # "gate_up" [2I, H], "down" [H, I]; int8 stores add "gate_up_scale" [2I], "down_scale" [H]
+    shape: tuple[int, ...]  # elements
     offset: int  # bytes from the blob start
+    dtype: str = "f32"  # engine.runtime.stored.STORAGE_DTYPES key
+
+    @property
+    def nbytes(self) -> int:
+        n = ELEMENT_BYTES[self.dtype]
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+
+ELEMENT_BYTES = {"f32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+WEIGHT_DTYPES = ("bf16", "fp16", "f32", "int8")
+
+
+def blob_parts(inter: int, hidden: int, dtype: str) -> tuple[tuple[Part, ...], int]:
+    """The parts of one expert blob and its unpadded size: gate_up, down (in `dtype`), then
+    for int8 the f32 row scales, each part starting 64-byte aligned."""
+    if dtype not in ELEMENT_BYTES:
+        raise StoreError(f"unsupported expert dtype {dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
+    specs = [("gate_up", (2 * inter, hidden), dtype), ("down", (hidden, inter), dtype)]
+    if dtype == "int8":
+        specs += [("gate_up_scale", (2 * inter,), "f32"), ("down_scale", (hidden,), "f32")]
+    parts, offset = [], 0
+    for name, shape, dt in specs:
+        part = Part(name, shape, offset, dt)
+        parts.append(part)
+        offset = align_up(offset + part.nbytes, 64)
+    return tuple(parts), parts[-1].offset + parts[-1].nbytes
 
 
 @dataclass(frozen=True)
@@ -127,6 +157,8 @@ class StoreIndex:
     checksum_algo: str  # "xxh3_64" or "crc32"
     blobs: dict[Key, BlobInfo]  # (layer, expert) -> where and what
     source: str  # fingerprint of the checkpoint it was converted from
+    dtype: str = "f32"  # the experts' weight dtype (WEIGHT_DTYPES); "int8" when quantized
+    source_dtype: str = "f32"  # the checkpoint's expert dtype
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -134,7 +166,9 @@ class StoreIndex:
             "moe_layers": list(self.moe_layers), "num_experts": self.num_experts, "top_k": self.top_k,
             "hidden": self.hidden, "intermediate": self.intermediate, "blob_bytes": self.blob_bytes,
             "data_bytes": self.data_bytes, "checksum_algo": self.checksum_algo, "source": self.source,
-            "parts": [{"name": p.name, "shape": list(p.shape), "offset": p.offset} for p in self.parts],
+            "dtype": self.dtype, "source_dtype": self.source_dtype,
+            "parts": [{"name": p.name, "shape": list(p.shape), "offset": p.offset, "dtype": p.dtype}
+                      for p in self.parts],
             "blobs": {f"{k[0]}.{k[1]}": {"offset": b.offset, "checksum": b.checksum}
                       for k, b in sorted(self.blobs.items())},
         }
@@ -154,8 +188,10 @@ class StoreIndex:
                 moe_layers=tuple(int(i) for i in d["moe_layers"]), num_experts=int(d["num_experts"]),
                 top_k=int(d["top_k"]), hidden=int(d["hidden"]), intermediate=int(d["intermediate"]),
                 blob_bytes=int(d["blob_bytes"]), data_bytes=int(d["data_bytes"]),
-                parts=tuple(Part(p["name"], tuple(p["shape"]), int(p["offset"])) for p in d["parts"]),
-                checksum_algo=str(d["checksum_algo"]), blobs=blobs, source=str(d.get("source", "")))
+                parts=tuple(Part(p["name"], tuple(p["shape"]), int(p["offset"]), str(p["dtype"]))
+                            for p in d["parts"]),
+                checksum_algo=str(d["checksum_algo"]), blobs=blobs, source=str(d.get("source", "")),
+                dtype=str(d["dtype"]), source_dtype=str(d["source_dtype"]))
         except (KeyError, TypeError, ValueError) as e:
             raise StoreError(f"malformed expert store index: {e}") from None
 

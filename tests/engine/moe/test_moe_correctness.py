@@ -38,7 +38,7 @@ def _run(store_dir, scheduler: str, budget_experts: int, n_requests: int):
             logits.setdefault(sid, []).append(x.copy())
 
     cfg = MoEConfig(scheduler=scheduler, cache_budget_bytes=budget_experts * index.blob_bytes,
-                    fetch_threads=2, torch_threads=1)
+                    fetch_threads=2, torch_threads=1, kv_precision="f32", max_concurrent=8)
     with MoEEngine(store_dir, "t", cfg, logits_hook=hook) as eng:
         ids = [eng.submit(GenerateRequest(f"r{i}", prompt=PROMPTS[i % len(PROMPTS)],
                                           sampling=SamplingParams(max_tokens=NEW_TOKENS)))

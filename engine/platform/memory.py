@@ -1,0 +1,60 @@
+"""How much more RAM this process may take: the smaller of the PC's available memory and
+what is left under its memory cgroup's limit (Linux containers, `systemd-run -p MemoryMax`,
+the benchmarks' capped runs). Elsewhere (Windows, macOS) the cgroup part is simply absent.
+
+Page cache counts against a cgroup's limit; its inactive file pages are reclaimed before
+the limit bites, so they count as room.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-rounded number
+
+
+def available_ram() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> int | None:
+    """Bytes left under this process's memory cgroup limit (v1 or v2), None without one."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _id, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        rel = path.lstrip("/")
+        if "memory" in controllers.split(","):  # v1
+            return _room(root / "memory" / rel, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                         "total_inactive_file")
+        if _id == "0" and controllers == "" and (root / rel / "memory.max").exists():  # v2
+            return _room(root / rel, "memory.max", "memory.current", "inactive_file")
+    return None
+
+
+def _room(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        raw = (folder / limit_file).read_text().strip()
+        if raw == "max" or int(raw) >= _UNLIMITED:
+            return None
+        limit, usage = int(raw), int((folder / usage_file).read_text().strip())
+        inactive = 0
+        for line in (folder / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive_key:
+                inactive = int(value)
+    except (OSError, ValueError):
+        return None
+    return max(0, limit - usage + inactive)
+
+
+def memory_room() -> int:
+    """Bytes this process may still take without swapping or being OOM-killed."""
+    room = cgroup_room()
+    free = available_ram()
+    return free if room is None else min(free, room)

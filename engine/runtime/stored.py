@@ -1,0 +1,109 @@
+"""Weights held in their storage dtype (bf16, fp16 or int8 with a scale per row) and
+computed in float32, a block of rows at a time.
+
+The torch engines (MoE, sparse) keep a checkpoint's weights as it ships: bf16 stays
+bf16 in RAM, so a model takes its own size and not twice it. Matmuls still run in
+float32 -- a bf16 weight widens exactly to f32, so the result equals transformers
+computing in f32 on the very same weights, on every CPU (AVX2-only ones have no
+fast bf16 GEMM, and bf16 activations would round differently from one machine to
+the next). The widening happens `BLOCK_BYTES` of f32 at a time, so the transient
+stays small even for a 150k-row embedding head or a 14336-wide Mixtral expert.
+
+int8 (`quantize_rows`): symmetric, one f32 scale per output row, absmax / 127.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK_BYTES = 8 << 20  # f32 bytes of weight widened at once (8 MiB: a few rows of a big matrix)
+STORAGE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+SAFETENSORS_NAMES = {"F32": "f32", "BF16": "bf16", "F16": "fp16", "I8": "int8"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bf16" for torch.bfloat16, and so on (STORAGE_DTYPES' keys)."""
+    for name, d in STORAGE_DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"unsupported weight dtype {dtype}")
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] (any float dtype) -> (int8 [out, in], f32 scale [out]); rows a block at a time."""
+    out = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    step = _rows_per_block(w.shape[1])
+    for r0 in range(0, w.shape[0], step):
+        block = w[r0:r0 + step].float()  # [rows, in]
+        s = block.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [rows]
+        out[r0:r0 + step] = torch.round(block / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scale[r0:r0 + step] = s
+    return out, scale
+
+
+def widen(w: torch.Tensor, scale: torch.Tensor | None, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+    """Rows r0:r1 of a stored weight as float32 [rows, in]."""
+    block = w[r0:r1].float()
+    if scale is not None:
+        block *= scale[r0:r1, None]
+    return block
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, in] f32 @ w[out, in].T (+ bias) -> [N, out] f32, w in its storage dtype."""
+    if w.dtype == torch.float32 and scale is None:
+        return F.linear(x, w, bias)
+    rows = w.shape[0]
+    step = _rows_per_block(w.shape[1])
+    if step >= rows:
+        return F.linear(x, widen(w, scale), bias)
+    out = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
+    for r0 in range(0, rows, step):  # out[:, r0:r1] = x @ w[r0:r1].T, the block widened
+        out[..., r0:r0 + step] = F.linear(x, widen(w, scale, r0, r0 + step))
+    if bias is not None:
+        out += bias
+    return out
+
+
+def _rows_per_block(cols: int) -> int:
+    return max(1, BLOCK_BYTES // (4 * max(1, cols)))
+
+
+class StoredLinear(torch.nn.Module):
+    """nn.Linear's forward over a weight kept in its storage dtype."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight, self.scale = weight, scale  # plain tensors: never trained, never moved
+        self.bias = None if bias is None else bias.float()
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.bias) if t is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.scale, self.bias)
+
+
+class StoredEmbedding(torch.nn.Module):
+    """nn.Embedding's lookup over a table kept in its storage dtype (rows widened on lookup)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight, self.scale = weight, scale
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale) if t is not None)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight[ids].float()  # [..., H]
+        if self.scale is not None:
+            rows *= self.scale[ids][..., None]
+        return rows
