@@ -31,7 +31,7 @@ from engine.moe import store as store_mod  # noqa: E402
 from engine.moe.store import IO_MODES, ExpertStore, StoreConfig, aligned_buffer, fs_type  # noqa: E402
 
 LAYERS, EXPERTS = 2, 8
-TINY = ["--layers", str(LAYERS), "--experts", str(EXPERTS), "--hidden", "64", "--expert-inter", "128",
+TINY = ["--shape", "synthetic", "--layers", str(LAYERS), "--experts", str(EXPERTS), "--hidden", "64", "--expert-inter", "128",
         "--tokens", "3"]
 REPO_SCRATCH = Path(__file__).resolve().parents[3] / ".cache"  # the repository's disk, whatever FLOTILLA_CACHE is
 SCHEDS = {"bevy", "on_demand", "prefetch", "resident"}
@@ -189,7 +189,8 @@ def test_moe_bench_reports_consistent_figures():
 
     # Speedups are the ratios of the reported figures (or refused, with the reason).
     assert out["concurrency_for_speedups"] == 2
-    assert out["goals"] == {"speedup_vs_on_demand": 3.5, "speedup_vs_prefetch": 1.6}
+    assert out["goals"] == {"speedup_vs_on_demand": 3.5, "speedup_vs_prefetch": 1.6, "bevy_vs_bound": 0.85}
+    assert out["compute_bound_from"] == "resident run" and out["cap"] is None
     speedups = _speedup_keys(out)
     assert {("speedup_vs_on_demand",), ("speedup_vs_prefetch",), ("speedup_vs_on_demand_per_repeat",),
             ("speedup_vs_prefetch_per_repeat",)} <= set(speedups)
@@ -221,6 +222,12 @@ def test_moe_bench_reports_consistent_figures():
             assert row[f"{sched}_s_per_token"] == res[sched][c]["s_per_token"]
             assert row[f"{sched}_vs_bound"] == pytest.approx(row["bound_s_per_token"] / res[sched][c]["s_per_token"],
                                                              rel=2e-2)
+    assert out["bevy_vs_bound"] == bound["2"]["bevy_vs_bound"]
+    if bound["2"]["max_speedup_vs_on_demand"] < moe.PAPER_SPEEDUP_VS_ON_DEMAND:  # the JSON says by how much, why
+        gap = out["paper_gap"]
+        assert gap["short_by"] == pytest.approx(moe.PAPER_SPEEDUP_VS_ON_DEMAND / gap["max_speedup_vs_on_demand_here"],
+                                                rel=1e-2)
+        assert "overlap bound" in gap["why"]
     assert any("repeat 2/2" in line for line in lines)
 
 
@@ -238,7 +245,8 @@ def test_moe_bench_refuses_speedups_when_o_direct_is_not_in_effect(monkeypatch, 
     assert {("speedup_vs_on_demand",), ("speedup_vs_prefetch",),
             ("overlap_bound", "2", "max_speedup_vs_on_demand")} <= set(speedups)
     assert all(_get(out, k) is None for k in speedups), {k: _get(out, k) for k in speedups}
-    assert out["goals"] == {"speedup_vs_on_demand": 3.5, "speedup_vs_prefetch": 1.6}  # targets stay
+    assert out["goals"] == {"speedup_vs_on_demand": 3.5, "speedup_vs_prefetch": 1.6, "bevy_vs_bound": 0.85}
+    assert out["compute_bound_from"] == "resident run" and out["cap"] is None  # targets stay
     assert all(r["tok_s"] > 0 for by_conc in out["results"].values() for r in by_conc.values())  # figures stay
     assert any("speedups refused" in line for line in lines)
     assert any("O_DIRECT is not in effect" in r.getMessage() for r in caplog.records)
