@@ -234,6 +234,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                        # bound is the most any overlapping scheduler can gain over it here
                        "serial_s_per_token": round(compute + table["on_demand"][c]["mb_per_token"] * 1e6 / disk, 5)}
                 row["max_speedup_vs_on_demand"] = round(table["on_demand"][c]["s_per_token"] / max(compute, io), 3)
+                # the same for prefetch: the 1.6x goal needs prefetch at <= 1/1.6 of the bound
+                row["max_speedup_vs_prefetch"] = round(table["prefetch"][c]["s_per_token"] / max(compute, io), 3)
                 for sched in ("bevy", "on_demand", "prefetch"):
                     row[f"{sched}_s_per_token"] = table[sched][c]["s_per_token"]
                     row[f"{sched}_vs_bound"] = round(max(compute, io) / table[sched][c]["s_per_token"], 3)

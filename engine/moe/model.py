@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.moe.store import REST_FILE, StoreIndex
-from engine.runtime.stored import StoredEmbedding, StoredLinear, linear
+from engine.runtime.stored import StoredEmbedding, StoredLinear, TensorFile, linear
 
 
 @dataclass(eq=False)
@@ -385,11 +385,9 @@ def _load_resident(model, path: Path, config) -> None:
     """Put rest.safetensors into the meta-device `model`, one tensor at a time: every
     nn.Linear and nn.Embedding becomes a Stored one over its tensor as stored (int8 ones
     with their `.qscale`), everything else (norms, routers, biases) a float32 parameter."""
-    from safetensors import safe_open
-
     from engine.moe.convert import SCALE_SUFFIX
 
-    with safe_open(str(path), framework="pt") as f:
+    with TensorFile(path) as f:  # anonymous copies, not mmap views: resident means resident
         names = set(f.keys())
         used: set[str] = set()
 
@@ -397,7 +395,7 @@ def _load_resident(model, path: Path, config) -> None:
             if name not in names:
                 return None
             used.add(name)
-            return f.get_tensor(name)
+            return f.get(name)
 
         for mname, module in list(model.named_modules()):
             if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
@@ -413,7 +411,7 @@ def _load_resident(model, path: Path, config) -> None:
                 new = StoredLinear(weight, scale, bias)
             parent, _, leaf = mname.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, new)
-        state = {n: f.get_tensor(n).float() for n in names - used}
+        state = {n: f.get(n).float() for n in names - used}
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
         raise ValueError(f"unexpected weights in {REST_FILE}: {result.unexpected_keys[:5]}")

@@ -107,3 +107,59 @@ class StoredEmbedding(torch.nn.Module):
         if self.scale is not None:
             rows *= self.scale[ids][..., None]
         return rows
+
+
+class TensorFile:
+    """Tensors of one safetensors file read into anonymous memory, one at a time.
+
+    safetensors' own loader hands out views of an mmap: those pages are page cache, which
+    the OS may drop and read again under memory pressure (a cap, a busy PC) and which a
+    memory budget would count as free. Resident weights must be the process's own, so
+    each tensor is read with plain reads into a fresh tensor, and its file range is then
+    dropped from the page cache where the OS allows it (posix_fadvise), so a load does
+    not leave the file's bytes behind in RAM too."""
+
+    _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
+               "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+
+    def __init__(self, path) -> None:
+        import json
+        import struct
+
+        self.path = path
+        self._f = open(path, "rb", buffering=0)
+        n = struct.unpack("<Q", self._f.read(8))[0]
+        head = json.loads(self._f.read(n))
+        head.pop("__metadata__", None)
+        self._base = 8 + n
+        self._head = head
+
+    def keys(self) -> list[str]:
+        return list(self._head)
+
+    def get(self, name: str) -> torch.Tensor:
+        import os
+
+        info = self._head[name]
+        start, end = info["data_offsets"]
+        t = torch.empty(info["shape"], dtype=self._DTYPES[info["dtype"]])
+        view = memoryview(t.view(torch.uint8).numpy().reshape(-1)) if t.numel() else memoryview(b"")
+        done = 0
+        while done < end - start:
+            self._f.seek(self._base + start + done)
+            got = self._f.readinto(view[done:])
+            if not got:
+                raise OSError(f"{self.path} ends inside tensor {name}")
+            done += got
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._f.fileno(), self._base + start, end - start, os.POSIX_FADV_DONTNEED)
+        return t
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "TensorFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

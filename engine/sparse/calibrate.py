@@ -1,7 +1,8 @@
 """Calibration: per-layer activation thresholds and predictors from sample text.
 
-Runs the dense model (transformers, all weights in RAM -- calibration is an
-offline step) over the text, records every FFN's input x and gate
+Runs the dense model over the text one decoder layer at a time, from the
+memory-mapped checkpoint (engine/sparse/layerwise.py: no weight copied, one
+layer's FFN inputs in RAM at a time), records every FFN's input x and gate
 pre-activation g, and derives:
   - tau_l: ReLU-family models use their natural zeros (tau = 0, relu(g) > 0);
     SwiGLU models use the quantile of |silu(g)| that zeroes the target share
@@ -30,7 +31,7 @@ from engine.sparse.predictor import (LowRankPredictor, PredictorConfig, jaccard_
 from engine.sparse.weights import FFNLayout, ffn_layout
 
 Progress = Callable[[str, float], None]
-CALIB_VERSION = 1
+CALIB_VERSION = 2  # 2: recorded layer by layer from the mmap-backed model
 HELD_OUT = 0.2  # share of the text kept for evaluation
 SEQ = 256  # tokens per calibration sequence (independent sequences)
 
@@ -166,27 +167,31 @@ def active_mask(g: torch.Tensor, act_fn, tau: float) -> torch.Tensor:
 
 def calibrate(model_dir: Path, cfg: CalibConfig = CalibConfig(), progress: Progress | None = None,
               model=None, tokenizer=None) -> Calibration:
+    """model: the dense model to run (default: the mmap-backed one of layerwise.mapped_dense)."""
     from transformers import AutoTokenizer
+
+    from engine.sparse.layerwise import gate_weight, layer_inputs, mapped_dense
 
     report = progress or (lambda _m, _f: None)
     layout = ffn_layout(model_dir)
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
-    model = model or load_dense(model_dir)
+    model = model or mapped_dense(model_dir)
     seqs, held = text_ids(tokenizer, cfg.text)
-    report("recording FFN activations on the calibration text", 0.05)
-    xs = record(model, layout, seqs)
-    xh = record(model, layout, [held[i:i + SEQ] for i in range(0, len(held), SEQ)])
+    report("recording FFN activations on the calibration text, layer by layer", 0.05)
+    held_seqs = [held[i:i + SEQ] for i in range(0, len(held), SEQ)]
     act_fn = activation(layout.act)
     relu = layout.relu_family
     taus, own, ahead, max_act, mean_act, max_pred = [], [], [], [], [], []
     stats: dict[str, list] = {k: [] for k in ("sparsity", "own_recall", "own_precision", "ahead_recall",
                                               "ahead_precision", "temporal_recall", "temporal_precision",
                                               "jaccard")}
-    for l in range(layout.num_layers):
+    prev: tuple[torch.Tensor, torch.Tensor] | None = None  # layer l-1's inputs (the ahead predictor's)
+    for l, (x_c, x_h) in layer_inputs(model, [seqs, held_seqs]):
         report(f"layer {l + 1}/{layout.num_layers}: threshold and predictors", 0.1 + 0.85 * l / layout.num_layers)
-        wg = model.get_submodule(f"{layout.prefix}.{l}.mlp.gate_proj").weight.detach()  # [N, h]
+        wg = gate_weight(model, layout, l)  # [N, h]
+        x_prev, prev = prev, (x_c, x_h)
         with torch.no_grad():
-            g, gh = xs[l] @ wg.T, xh[l] @ wg.T  # [T, N]
+            g, gh = x_c @ wg.T, x_h @ wg.T  # [T, N]
             mag = act_fn(g).abs()
         if relu:
             tau = 0.0
@@ -210,20 +215,20 @@ def calibrate(model_dir: Path, cfg: CalibConfig = CalibConfig(), progress: Progr
             for k in ("own_recall", "own_precision", "ahead_recall", "ahead_precision"):
                 stats[k].append(1.0)
             continue
-        p_own = train_predictor(xs[l], wg, act_c, tau, cfg.predictor).eval()
+        p_own = train_predictor(x_c, wg, act_c, tau, cfg.predictor).eval()
         own.append(p_own)
-        max_pred.append(int(p_own.predict(xs[l]).sum(1).max()))
-        r, p = recall_precision(p_own.predict(xh[l]).numpy(), act_h.numpy())
+        max_pred.append(int(p_own.predict(x_c).sum(1).max()))
+        r, p = recall_precision(p_own.predict(x_h).numpy(), act_h.numpy())
         stats["own_recall"].append(r)
         stats["own_precision"].append(p)
-        if l == 0:
+        if x_prev is None:
             ahead.append(None)
             stats["ahead_recall"].append(float("nan"))
             stats["ahead_precision"].append(float("nan"))
             continue
-        p_ahead = train_predictor(xs[l - 1], wg, act_c, tau, cfg.predictor).eval()
+        p_ahead = train_predictor(x_prev[0], wg, act_c, tau, cfg.predictor).eval()
         ahead.append(p_ahead)
-        r, p = recall_precision(p_ahead.predict(xh[l - 1]).numpy(), act_h.numpy())
+        r, p = recall_precision(p_ahead.predict(x_prev[1]).numpy(), act_h.numpy())
         stats["ahead_recall"].append(r)
         stats["ahead_precision"].append(p)
     natural = 1.0 - float(np.mean([m / layout.neurons for m in mean_act]))

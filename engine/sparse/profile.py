@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.sparse.calibrate import SEQ, activation, active_mask, load_dense, record, text_ids
+from engine.sparse.calibrate import SEQ, activation, active_mask, text_ids
+from engine.sparse.layerwise import gate_weight, layer_inputs, mapped_dense
 from engine.sparse.predictor import jaccard_consecutive
 from engine.sparse.weights import ffn_layout
 
@@ -24,23 +25,22 @@ def overlap_profile(model_dir: Path, sparsity: float = 0.8, text: Path | None = 
 
     layout = ffn_layout(model_dir)
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
-    model = model or load_dense(model_dir)
+    model = model or mapped_dense(model_dir)  # one layer at a time from the mmap'd checkpoint
     calib_seqs, held = text_ids(tokenizer, text)
     seqs = calib_seqs + [held[i:i + SEQ] for i in range(0, len(held), SEQ) if len(held[i:i + SEQ]) > 8]
     act_fn = activation(layout.act)
     layers = []
-    per_seq_inputs = [record(model, layout, [s]) for s in seqs]  # consecutive = within one sequence
-    for l in range(layout.num_layers):
-        wg = model.get_submodule(f"{layout.prefix}.{l}.mlp.gate_proj").weight.detach()
+    for l, per_seq in layer_inputs(model, [[s] for s in seqs]):  # consecutive = within one sequence
+        wg = gate_weight(model, layout, l)
         with torch.no_grad():
-            mags = torch.cat([act_fn(x[l] @ wg.T).abs() for x in per_seq_inputs])
+            mags = torch.cat([act_fn(x @ wg.T).abs() for x in per_seq])
             if layout.relu_family or sparsity <= 0:
                 tau = 0.0
             else:
                 tau = float(torch.quantile(mags.flatten()[:2_000_000], sparsity))
         jac, dens = [], []
-        for x in per_seq_inputs:
-            a = active_mask(x[l] @ wg.T, act_fn, tau).numpy()
+        for x in per_seq:
+            a = active_mask(x @ wg.T, act_fn, tau).numpy()
             jac.append(jaccard_consecutive(a))
             dens.append(a.mean())
         d = float(np.mean(dens))

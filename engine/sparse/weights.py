@@ -152,7 +152,8 @@ class MappedWeights:
 # --------------------------------------------------------------------------- skeleton
 
 def build_skeleton(model_dir: Path):
-    """The transformers model with 1-neuron FFNs (random small weights, to be replaced)."""
+    """The transformers model with 1-neuron FFNs, on the meta device: no weight is
+    allocated until put_weights puts the checkpoint's own tensors in."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -160,20 +161,35 @@ def build_skeleton(model_dir: Path):
     small = copy.deepcopy(config)
     target = getattr(small, "text_config", small)
     target.intermediate_size = 1
-    with torch.device("cpu"):
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(small, dtype=torch.float32)
     model.config = config  # what users and the generation code see is the real config
     return model.eval()
 
 
-def put_weights(model, weights: MappedWeights, layout: FFNLayout, resident: bool, with_ffn: bool) -> int:
-    """Put the file's weights into the skeleton. Non-FFN weights (attention,
-    norms, embeddings) are always resident copies; FFN matrices (only when
-    with_ffn) are copies when `resident`, else views of the mmap (the OS-paging
-    baseline). 16-bit Linear weights stay in their dtype and compute with
-    mixed_linear (as llama.cpp does, and as the sparse engine's FFN does);
-    16-bit norms and embeddings become f32. Returns the RAM bytes of the
-    non-FFN weights."""
+def _finish_skeleton(model) -> None:
+    """RoPE tables are non-persistent buffers (never in a checkpoint): rebuild them on the
+    CPU; then no parameter or buffer may still be on the meta device, except the FFNs the
+    engine replaces with its own modules."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    rope = getattr(base, "rotary_emb", None)
+    if rope is not None:
+        base.rotary_emb = type(rope)(config=getattr(model.config, "text_config", model.config))
+    for layer in getattr(base, "layers", []):  # older layouts keep a rotary module per attention
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and getattr(attn, "rotary_emb", None) is not None:
+            attn.rotary_emb = type(attn.rotary_emb)(config=getattr(model.config, "text_config", model.config))
+
+
+def put_weights(model, weights: MappedWeights, layout: FFNLayout, resident: bool, with_ffn: bool,
+                copy_rest: bool = True) -> int:
+    """Put the file's weights into the meta-device skeleton. Non-FFN weights (attention,
+    norms, embeddings) are resident copies (copy_rest) or views of the mmap (calibration,
+    which pages each layer in once); FFN matrices (only when with_ffn) are copies when
+    `resident`, else views of the mmap (the OS-paging baseline). 16-bit Linear weights
+    and embeddings stay in their dtype (Linear computes with mixed_linear, as llama.cpp
+    does and as the sparse engine's FFN does; embedding rows are widened on lookup);
+    16-bit norms become f32 (a few KB). Returns the RAM bytes of the non-FFN weights."""
     import types
 
     import torch
@@ -194,19 +210,26 @@ def put_weights(model, weights: MappedWeights, layout: FFNLayout, resident: bool
         mod = model.get_submodule(mod_name)
         sixteen = t.dtype in (torch.float16, torch.bfloat16)
         linear = isinstance(mod, torch.nn.Linear) and pname == "weight"
+        embedding = isinstance(mod, torch.nn.Embedding) and pname == "weight"
+        copied = True
         if ffn:
-            t = t.clone() if resident else t
-        elif sixteen and linear:
+            t, copied = (t.clone(), True) if resident else (t, False)
+        elif sixteen and (linear or embedding):
+            t, copied = (t.clone(), True) if copy_rest else (t, False)
+            mod.forward = types.MethodType(_mixed_forward if linear else _widened_lookup, mod)
+        elif t.dtype != torch.float32:
+            t = t.float()
+        elif copy_rest:
             t = t.clone()
-            mod.forward = types.MethodType(_mixed_forward, mod)
         else:
-            t = t.float() if t.dtype != torch.float32 else t.clone()
+            copied = False
         mod._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
-        if not ffn:
+        if not ffn and copied:
             non_ffn += t.numel() * t.element_size()
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
         model.lm_head.weight = model.get_input_embeddings().weight  # replacing embeddings broke the tie
         model.lm_head.forward = types.MethodType(_mixed_forward, model.lm_head)
+    _finish_skeleton(model)
     if with_ffn:  # the skeleton's FFN Linear modules now hold full-size weights
         for i in range(layout.num_layers):
             mlp = model.get_submodule(f"{layout.prefix}.{i}.mlp")
@@ -214,6 +237,13 @@ def put_weights(model, weights: MappedWeights, layout: FFNLayout, resident: bool
             if mlp.gate_proj.weight.dtype != torch.float32:
                 model.get_submodule(f"{layout.prefix}.{i}").mlp = MmapMLP(mlp, layout.act)
     return non_ffn
+
+
+def _widened_lookup(self, ids):
+    """nn.Embedding over a 16-bit table: the rows looked up, widened to f32."""
+    import torch
+
+    return torch.nn.functional.embedding(ids, self.weight, self.padding_idx).float()
 
 
 def _mixed_forward(self, x):
@@ -262,12 +292,14 @@ def ffn_bytes(layout: FFNLayout, dtype_bytes: int = 4) -> int:
     return layout.num_layers * 3 * layout.neurons * layout.hidden * dtype_bytes
 
 
-def load_dense_mmap(model_dir: Path, resident: bool = False):
+def load_dense_mmap(model_dir: Path, resident: bool = False, copy_rest: bool = True):
     """The dense model with every FFN weight mmap-backed (the OS-paging baseline);
-    attention, norms and embeddings are resident, exactly as in the sparse engine."""
+    attention, norms and embeddings are resident, exactly as in the sparse engine
+    (copy_rest=False: mmap views as well -- calibration and quality runs, which hold
+    no weight in RAM beyond what the OS pages in)."""
     layout = ffn_layout(model_dir)
     weights = MappedWeights(model_dir)
     model = build_skeleton(model_dir)
-    put_weights(model, weights, layout, resident=resident, with_ffn=True)
+    put_weights(model, weights, layout, resident=resident, with_ffn=True, copy_rest=copy_rest)
     model._flotilla_weights = weights  # keep the maps alive as long as the model
     return model
