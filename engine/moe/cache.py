@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 
 from engine.moe.store import Key, StoreIndex, aligned_buffer
+from engine.runtime.budget import BudgetError, fit_budget
 from engine.runtime.stored import STORAGE_DTYPES
 
 MB = 1e6
@@ -75,37 +76,17 @@ def working_bytes(hidden: int, heads: int, vocab: int, top_k: int, inter: int, c
     return int(rows + scores + logits + 2 * BLOCK_BYTES + (32 << 20))
 
 
-class BudgetError(ValueError):
-    """The cache budget cannot work: below one layer's experts, or more than fits."""
-
-
 def plan_budget(index: StoreIndex, requested: int | None, room: int, kv_bytes: int, working: int) -> int:
-    """The cache budget, decided once the resident weights are loaded: `room` is the RAM
-    this process may still take (engine.platform.memory), `kv_bytes` the KV reserve not
-    yet touched, `working` what a pass needs (working_bytes). None: all that is left, at most
-    every expert. Refused, with the numbers: below the minimum, or more than is left."""
-    need = min_budget_bytes(index)
-    left = room - kv_bytes - working
-    if requested is None:
-        budget = min(index.total_expert_bytes, left)
-        if budget < need:
-            raise BudgetError(
-                f"no room for the expert cache: {room / MB:.0f} MB free after the resident weights, "
-                f"minus {kv_bytes / MB:.0f} MB KV reserve and {working / MB:.0f} MB working memory, leaves "
-                f"{max(left, 0) / MB:.0f} MB; the cache needs at least {need / MB:.1f} MB "
-                f"(lower the context or concurrent requests)")
-        return int(budget)
-    if requested < need:
+    """The expert cache budget (engine.runtime.budget.fit_budget): the minimum is one
+    layer's top-k experts, everything is every expert."""
+    if requested is not None and requested < min_budget_bytes(index):
+        need = min_budget_bytes(index)
         raise BudgetError(
             f"expert cache budget {requested / MB:.1f} MB is below one layer's top-{index.top_k} experts; "
             f"the minimum is {need / MB:.1f} MB ({index.top_k} x {index.blob_bytes / MB:.2f} MB); "
             f"all experts take {index.total_expert_bytes / MB:.1f} MB")
-    if requested > left:
-        raise BudgetError(
-            f"expert cache budget {requested / MB:.0f} MB does not fit: {room / MB:.0f} MB free after the "
-            f"resident weights, minus {kv_bytes / MB:.0f} MB KV reserve and {working / MB:.0f} MB working "
-            f"memory, leaves {max(left, 0) / MB:.0f} MB")
-    return int(requested)
+    return fit_budget(requested, min_budget_bytes(index), index.total_expert_bytes, room, kv_bytes, working,
+                      what="expert cache")
 
 
 class ExpertCache:

@@ -186,20 +186,15 @@ def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint; every file its index lists must be there."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise StoreError(f"{index} is unreadable: {e}") from None
-        missing = [n for n in names if not (model_dir / n).is_file()]
-        if missing:
-            raise StoreError(f"{model_dir} is missing {', '.join(missing)} "
-                             f"(listed in {index.name}); copy the whole checkpoint folder")
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
+    """The safetensors files of a checkpoint (engine.models.ref: every shard its index lists
+    must be there); StoreError with one line otherwise."""
+    from engine.models.errors import ModelError
+    from engine.models.ref import safetensors_files
+
+    try:
+        files = safetensors_files(Path(model_dir))
+    except ModelError as e:
+        raise StoreError(str(e)) from None
     if not files:
         raise StoreError(f"{model_dir} has no safetensors weights (the MoE engine needs them)")
     return files

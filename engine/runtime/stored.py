@@ -14,6 +14,8 @@ int8 (`quantize_rows`): symmetric, one f32 scale per output row, absmax / 127.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -43,12 +45,24 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
-def widen(w: torch.Tensor, scale: torch.Tensor | None, r0: int = 0, r1: int | None = None) -> torch.Tensor:
-    """Rows r0:r1 of a stored weight as float32 [rows, in]."""
-    block = w[r0:r1].float()
+def widen(w: torch.Tensor, scale: torch.Tensor | None, r0: int = 0, r1: int | None = None,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows r0:r1 of a stored weight as float32 [rows, in] (into `out` when given)."""
+    src = w[r0:r1]
+    block = src.float() if out is None else out[:src.shape[0]].copy_(src)
     if scale is not None:
         block *= scale[r0:r1, None]
     return block
+
+
+_scratch = threading.local()  # per thread: one reused f32 block (no allocation, no page faults per call)
+
+
+def _block(rows: int, cols: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < rows * cols:
+        buf = _scratch.buf = torch.empty(max(rows * cols, BLOCK_BYTES // 4), dtype=torch.float32)
+    return buf[:rows * cols].view(rows, cols)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
@@ -57,12 +71,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     if w.dtype == torch.float32 and scale is None:
         return F.linear(x, w, bias)
     rows = w.shape[0]
-    step = _rows_per_block(w.shape[1])
+    step = min(rows, _rows_per_block(w.shape[1]))
+    buf = _block(step, w.shape[1])
     if step >= rows:
-        return F.linear(x, widen(w, scale), bias)
+        return F.linear(x, widen(w, scale, out=buf), bias)
     out = torch.empty(*x.shape[:-1], rows, dtype=torch.float32)
     for r0 in range(0, rows, step):  # out[:, r0:r1] = x @ w[r0:r1].T, the block widened
-        out[..., r0:r0 + step] = F.linear(x, widen(w, scale, r0, r0 + step))
+        out[..., r0:r0 + step] = F.linear(x, widen(w, scale, r0, r0 + step, out=buf))
     if bias is not None:
         out += bias
     return out

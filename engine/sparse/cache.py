@@ -28,6 +28,8 @@ import mmap
 
 import numpy as np
 
+from engine.runtime.budget import BudgetError  # one error type for every engine's budget (re-exported)
+
 PAGE = mmap.PAGESIZE
 
 
@@ -50,10 +52,6 @@ def _give_back(mm: mmap.mmap, start: int, length: int) -> None:
     # Windows has no madvise in Python: the trimmed tail stays committed and in the working set
     # until the memory manager trims it under pressure (to the pagefile), so RSS may not follow
     # the budget down. Output is unaffected: rows past the capacity are never read, only refilled.
-
-
-class BudgetError(ValueError):
-    """A cache budget below the minimum (one layer's active set)."""
 
 
 class NeuronCache:

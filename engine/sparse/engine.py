@@ -26,9 +26,13 @@ from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.torch_backend import TorchStream
 from engine.serve.interface import Engine, EngineError, EngineInfo
 from engine.serve.local import LocalEngine, context_from_config
+
+DEFAULT_CONTEXT = 4096  # KV bounded per request when no context is asked (models train to 128k)
 from engine.sparse.cache import BudgetError
 from engine.sparse.calibrate import CalibConfig, ensure_calibration, work_dir
-from engine.sparse.memory import MemoryPolicy, available_ram
+from engine.platform.memory import memory_room
+from engine.runtime.budget import fit_budget
+from engine.sparse.memory import MemoryPolicy
 from engine.sparse.model import SparseMLP, SparseRuntime, SparseRuntimeConfig
 from engine.sparse.predictor import PredictorConfig
 from engine.sparse.store import BundleStore, StoreConfig, build_store
@@ -40,7 +44,8 @@ class SparseConfig:
     mode: str = "predicted"  # "predicted" (stream gate+up+down, predictor picks) or "exact" (gate resident)
     sparsity: float = 0.8  # SwiGLU target share of zeroed neurons (ReLU models use natural zeros); 0 = dense
     prefetch: str = "lowrank"  # lowrank | temporal | both | none (none = on-demand baseline)
-    cache_budget_bytes: int | None = None  # neuron cache RAM (None: half of free RAM, at most all neurons)
+    cache_budget_bytes: int | None = None  # neuron cache RAM (None: what is left once weights and KV are in)
+    context_length: int | None = None  # prompt + answer per request (None: the model's, at most DEFAULT_CONTEXT)
     rank: int = 64  # low-rank predictor width
     text: Path | None = None  # calibration text (None = assets/demo/corpus.txt)
     store: StoreConfig = field(default_factory=StoreConfig)  # I/O settings
@@ -51,7 +56,7 @@ class SparseConfig:
     @classmethod
     def from_options(cls, budget: int | None, extra: dict[str, Any]) -> "SparseConfig":
         known = {k: v for k, v in extra.items() if k in ("mode", "sparsity", "prefetch", "rank", "text", "warm",
-                                                             "prefetch_top")}
+                                                             "prefetch_top", "context_length")}
         unknown = set(extra) - set(known)
         if unknown:
             raise EngineError(f"unknown sparse engine option(s): {', '.join(sorted(unknown))}")
@@ -61,7 +66,8 @@ class SparseConfig:
 class SparseBackend:
     """ModelBackend: the skeleton with resident attention/embeddings and SparseMLPs."""
 
-    def __init__(self, model_dir: Path, cfg: SparseConfig, progress: Progress | None = None) -> None:
+    def __init__(self, model_dir: Path, cfg: SparseConfig, progress: Progress | None = None,
+                 context_length: int = DEFAULT_CONTEXT, max_concurrent: int = 1) -> None:
         report = progress or (lambda _m, _f: None)
         self.model_dir, self.device, self.cfg = Path(model_dir), "CPU", cfg
         self.layout = layout = ffn_layout(model_dir)
@@ -89,13 +95,19 @@ class SparseBackend:
         self.min_budget = max(per_layer) * row_bytes  # one layer's (largest) active set
         all_rows = layout.num_layers * layout.neurons * row_bytes
         budget = cfg.cache_budget_bytes
-        if budget is None:
-            budget = max(self.min_budget, min(all_rows, available_ram() // 2))
-        if budget < self.min_budget:
+        if budget is not None and budget < self.min_budget:
             store.close()
             raise BudgetError(f"a neuron cache budget of {budget / 2**20:.1f} MiB cannot hold one layer's active "
                               f"set; the minimum for this model and mode is {self.min_budget / 2**20:.1f} MiB "
                               f"({self.min_budget} bytes)")
+        self.kv_reserve_bytes = kv_reserve_bytes(self.model.config, context_length, max_concurrent)
+        self.working_bytes = working_bytes(self.model.config, context_length)
+        try:  # the same rule as the MoE engine: decided now that the resident weights are in
+            budget = fit_budget(budget, self.min_budget, all_rows, memory_room(), self.kv_reserve_bytes,
+                                self.working_bytes, what="neuron cache")
+        except BudgetError:
+            store.close()
+            raise
         self.rt = SparseRuntime(layout, store, self.calib, budget, self.min_budget,
                                 SparseRuntimeConfig(cfg.mode, cfg.prefetch, cfg.prefetch_top, cfg.memory), gates)
         self.gates_bytes = sum(g.numel() * g.element_size() for g in gates) if gates else 0
@@ -130,6 +142,25 @@ class SparseBackend:
         self.model = None
 
 
+def kv_reserve_bytes(config, context: int, requests: int) -> int:
+    """KV of `requests` full contexts in the torch stream's cache (f32 keys and values)."""
+    c = getattr(config, "text_config", config)
+    heads = int(c.num_attention_heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    return 2 * int(c.num_hidden_layers) * kv_heads * head_dim * 4 * int(context) * int(requests)
+
+
+def working_bytes(config, context: int, chunk: int = 512) -> int:
+    """RAM one prefill chunk needs beyond weights, KV and cache (a generous estimate): its rows
+    through attention and the FFN, its attention scores, its logits, and slack."""
+    c = getattr(config, "text_config", config)
+    rows = chunk * (16 * int(c.hidden_size) + 3 * int(c.intermediate_size)) * 4
+    scores = int(c.num_attention_heads) * chunk * int(context) * 4
+    logits = chunk * int(c.vocab_size) * 4
+    return rows + scores + logits + (32 << 20)
+
+
 class _NoSpeculation:
     """LocalEngine's speculation hooks, all off (a request always takes the plain step)."""
 
@@ -159,13 +190,14 @@ class SparseEngine(LocalEngine):
 
         torch.set_grad_enabled(False)
         self.model_id = model_id
-        self.backend = SparseBackend(Path(model_path), cfg, progress)
+        trained = context_from_config(Path(model_path))
+        self.context_length = min(cfg.context_length or DEFAULT_CONTEXT, trained)
+        self.backend = SparseBackend(Path(model_path), cfg, progress, self.context_length, max_concurrent)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except Exception as e:
             self.backend.close()
             raise EngineError(f"cannot load the tokenizer of {model_path}: {e}") from e
-        self.context_length = context_from_config(Path(model_path))
         self.eos_ids = eos_token_ids(Path(model_path), self.tokenizer)
         self.max_concurrent = max_concurrent
         self.prefill_chunk = prefill_chunk
@@ -204,6 +236,8 @@ class SparseEngine(LocalEngine):
         rt = self.backend.rt
         c = rt.cache
         return {"cache_budget_bytes": c.budget_bytes, "cache_used_bytes": c.used_rows * c.row_bytes,
+                "resident_bytes": self.backend.resident_bytes, "kv_reserve_bytes": self.backend.kv_reserve_bytes,
+                "working_bytes": self.backend.working_bytes,
                 "min_budget_bytes": self.backend.min_budget, "hits": c.hits, "misses": c.misses,
                 "io": rt.store.stats.snapshot(), "prefetch": rt.prefetcher.stats.snapshot()}
 

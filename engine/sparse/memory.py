@@ -12,11 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-
-def available_ram() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+from engine.platform.memory import available_ram  # the whole PC's free RAM (not a cgroup's)
 
 
 def process_rss() -> int:

@@ -79,15 +79,13 @@ def ffn_layout(model_dir: Path) -> FFNLayout:
 # --------------------------------------------------------------------------- safetensors via mmap
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / f for f in files]
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise ModelError(f"{model_dir} has no safetensors weights (the sparse engine reads safetensors)")
+    """The checkpoint's safetensors files (engine.models.ref: every shard of an index present)."""
+    from engine.models.ref import safetensors_files as files_of
+
+    files = files_of(Path(model_dir))
+    if not files:
+        raise ModelError(f"{model_dir} has no safetensors weights (the sparse engine reads safetensors)")
+    return files
 
 
 def _header(file: Path) -> tuple[dict, int]:

@@ -212,7 +212,8 @@ def test_a_sharded_checkpoint_converts_and_a_missing_file_is_one_line(bf16_model
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(StoreError) as e:
         convert(sharded, tmp_path / "store2")
-    assert "missing model-00002-of-00002.safetensors" in str(e.value) and "\n" not in str(e.value)
+    assert "missing" in str(e.value) and "model-00002-of-00002.safetensors" in str(e.value)
+    assert "\n" not in str(e.value)
     assert not (tmp_path / "store2").exists()
     with pytest.raises(Exception) as e:
         MoEEngine.from_spec(str(sharded), MoEConfig(torch_threads=1))
