@@ -115,7 +115,7 @@ def speedup_refusal(io: dict[str, Any]) -> str | None:
 
 
 def refuse_speedups(figures: dict[str, Any], reason: str) -> None:
-    """Null every speedup figure (any key containing "speedup", at any depth; goals are
+    """Null every speedup figure (any key containing "speedup", at any depth, in lists too; goals are
     targets and stay) and record why in `speedup_refused`."""
     def walk(d: dict[str, Any]) -> None:
         for k, v in d.items():
@@ -125,6 +125,10 @@ def refuse_speedups(figures: dict[str, Any], reason: str) -> None:
                 d[k] = None
             elif isinstance(v, dict):
                 walk(v)
+            elif isinstance(v, list):  # rows of a table (e.g. bench sparse's thresholds)
+                for item in v:
+                    if isinstance(item, dict):
+                        walk(item)
 
     walk(figures)
     figures["speedup_refused"] = reason

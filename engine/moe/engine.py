@@ -240,9 +240,13 @@ class MoEEngine(Engine):
                                   usage=Usage(0, 0)))
             return
         gen.t_start = time.perf_counter()
+        try:  # a KV slot per request: admission never exceeds them, so this failing is a bug, reported
+            self.scheduler.add(Seq(gen.request_id, self._on_logits, self._on_error, list(ids),
+                                   chunk=self.config.prefill_chunk))
+        except RuntimeError as e:
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e), usage=Usage(0, 0)))
+            return
         self._gens[gen.request_id] = gen
-        self.scheduler.add(Seq(gen.request_id, self._on_logits, self._on_error, list(ids),
-                               chunk=self.config.prefill_chunk))
 
     def _on_logits(self, seq: Seq, logits: torch.Tensor) -> list[int] | None:
         gen = self._gens[seq.sid]

@@ -41,10 +41,13 @@ def drop_page_cache(files) -> None:
             os.close(fd)
 
 
-def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_cap_bytes: int,
-                      slack_bytes: int = 16 * 2**20, timeout: float = 900) -> dict:
-    """Run the child under a cap of (its setup usage + slack + weight_cap_bytes); returns its figures.
-    weight_cap_bytes is the page cache the FFN weights may use (the engine's cap)."""
+def run_capped_child(argv: list[str], weight_cap_bytes: int, slack_bytes: int = 16 * 2**20,
+                     timeout: float = 900, what: str = "child") -> dict:
+    """Run `python -m <argv>` in a fresh memory group; once it prints READY (set up: resident
+    weights loaded, page cache dropped), cap the group at its usage + slack + weight_cap_bytes,
+    send GO and return the JSON of its last line, with the limit and peak. The sparse engine
+    and the mmap baseline both run this way, so they get the same allowance above their
+    common setup (attention, embeddings, the interpreter)."""
     group = CGROOT / f"flotilla-sparse-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     group.mkdir()
     try:
@@ -56,13 +59,12 @@ def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_ca
 
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep
                    + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-        child = subprocess.Popen([sys.executable, "-m", "engine.sparse.baseline", str(model_dir),
-                                  json.dumps(prompt), str(tokens)], stdin=subprocess.PIPE,
+        child = subprocess.Popen([sys.executable, "-m", *argv], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True, preexec_fn=enter, env=env)
         try:
             ready = child.stdout.readline().split()
             if not ready or ready[0] != "READY":
-                raise RuntimeError(f"mmap baseline child failed to start: {ready}")
+                raise RuntimeError(f"{what} failed to start: {ready}")
             usage = int((group / "memory.usage_in_bytes").read_text())
             limit = usage + slack_bytes + weight_cap_bytes
             (group / "memory.limit_in_bytes").write_text(str(limit))
@@ -73,11 +75,17 @@ def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_ca
             if child.poll() is None:
                 child.kill()
                 child.wait()
+        oom = {}
+        for line in (group / "memory.oom_control").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            oom[key] = int(value or 0)
         if child.returncode != 0:
-            raise RuntimeError(f"mmap baseline child exited with {child.returncode} (OOM under the cap?)")
+            why = "OOM-killed under the cap" if oom.get("oom_kill") else f"exited with {child.returncode}"
+            raise RuntimeError(f"{what} {why}")
         result = json.loads(out.strip().splitlines()[-1])
         result.update(cgroup_limit_bytes=limit, setup_usage_bytes=usage,
-                      max_usage_bytes=int((group / "memory.max_usage_in_bytes").read_text()))
+                      max_usage_bytes=int((group / "memory.max_usage_in_bytes").read_text()),
+                      oom_kills=oom.get("oom_kill", 0))
         return result
     finally:
         for _ in range(50):
@@ -86,6 +94,14 @@ def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_ca
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_cap_bytes: int,
+                      slack_bytes: int = 16 * 2**20, timeout: float = 900) -> dict:
+    """The dense model through mmap under a cap of (its setup usage + slack + weight_cap_bytes):
+    weight_cap_bytes is the page cache the FFN weights may use (the engine's cap)."""
+    return run_capped_child(["engine.sparse.baseline", str(model_dir), json.dumps(prompt), str(tokens)],
+                            weight_cap_bytes, slack_bytes, timeout, what="mmap baseline child")
 
 
 def _child(model_dir: str, prompt: str, tokens: str) -> None:

@@ -128,30 +128,6 @@ def text_ids(tokenizer, text_path: Path | None) -> tuple[list[list[int]], list[i
     return [calib[i:i + SEQ] for i in range(0, len(calib), SEQ) if len(calib[i:i + SEQ]) > 8], held
 
 
-def load_dense(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def record(model, layout: FFNLayout, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """FFN inputs per layer: [T_total, h] each, over all sequences."""
-    xs: list[list[torch.Tensor]] = [[] for _ in range(layout.num_layers)]
-    hooks = []
-    for i in range(layout.num_layers):
-        mlp = model.get_submodule(f"{layout.prefix}.{i}.mlp")
-        hooks.append(mlp.register_forward_pre_hook(
-            lambda _m, args, i=i: xs[i].append(args[0].reshape(-1, args[0].shape[-1]).detach().clone())))
-    try:
-        with torch.inference_mode():
-            for s in seqs:
-                model(input_ids=torch.tensor([s]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return [torch.cat(x) for x in xs]
-
-
 def activation(act: str):
     from transformers.activations import ACT2FN
 

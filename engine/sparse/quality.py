@@ -1,6 +1,8 @@
 """Quality against dense: top-1 agreement and perplexity on held-out text.
 
-Teacher-forced: the dense transformers model runs the held-out text once
+Teacher-forced: the dense model -- by default every weight a view of the
+mmap'd checkpoint in its own dtype, computed with the engine's kernels (16-bit
+weights: mixed_linear), never a dense copy in RAM -- runs the held-out text once
 as is, and once with each FFN restricted the way the sparse engine computes
 it (exact mode: |act(g)| > tau; predicted mode: that AND the own predictor).
 The engine computes exactly these neurons with exactly these weights, so the
@@ -14,18 +16,18 @@ from pathlib import Path
 
 import torch
 
-from engine.sparse.calibrate import SEQ, Calibration, activation, load_dense, text_ids
-from engine.sparse.weights import ffn_layout
+from engine.sparse.calibrate import SEQ, Calibration, activation, text_ids
+from engine.sparse.weights import ffn_layout, mixed_linear
 
 
 def _restricted_forward(mlp, act_fn, tau: float, predictor, mode: str):
     def forward(x):
-        g = mlp.gate_proj(x)
+        g = mixed_linear(x, mlp.gate_proj.weight)
         a = act_fn(g)
         keep = a.abs() > tau if tau > 0 else torch.ones_like(a, dtype=torch.bool)
         if mode == "predicted" and predictor is not None:
             keep = keep & predictor.predict(x.reshape(-1, x.shape[-1])).reshape(a.shape)
-        return mlp.down_proj(a * keep * mlp.up_proj(x))
+        return mixed_linear(a * keep * mixed_linear(x, mlp.up_proj.weight), mlp.down_proj.weight)
     return forward
 
 
@@ -41,7 +43,10 @@ def evaluate(model_dir: Path, calibs: dict[str, Calibration], modes=("exact", "p
 
     layout = ffn_layout(model_dir)
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
-    model = model or load_dense(model_dir)
+    if model is None:
+        from engine.sparse.layerwise import mapped_dense
+
+        model = mapped_dense(model_dir)
     _, held = text_ids(tokenizer, text)
     seqs = [held[i:i + SEQ] for i in range(0, len(held), SEQ) if len(held[i:i + SEQ]) > 2]
     labels = torch.cat([torch.tensor(s[1:]) for s in seqs])

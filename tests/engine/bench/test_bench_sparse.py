@@ -33,7 +33,7 @@ from engine.moe.store import IO_MODES, fs_type  # noqa: E402
 REPO_SCRATCH = Path(__file__).resolve().parents[3] / ".cache"  # the repository's disk, whatever FLOTILLA_CACHE is
 SHAPE = dict(layers=2, hidden=1024, intermediate=2048, heads=8, kv_heads=2)  # bf16: 4 KiB exact-mode bundles
 TINY = ["--layers", "2", "--hidden", "1024", "--intermediate", "2048", "--heads", "8", "--kv-heads", "2",
-        "--tokens", "3", "--repeats", "1"]
+        "--tokens", "3", "--repeats", "1", "--sparsities", "0,0.8"]
 
 
 def _args(extra: list[str]) -> argparse.Namespace:
@@ -213,9 +213,25 @@ def test_sparse_bench_reports_consistent_figures(tiny_model):
     for j, r in runs.items():
         assert 0 <= r["jaccard_measured"] <= 1 and r["tok_s"] > 0 and r["bytes_read_per_token"] >= 0, j
 
+    # speed and quality side by side at every threshold; the headline at equal quality
+    rows = out["thresholds"]
+    assert [r["sparsity"] for r in rows] == [0.0, 0.8]
+    assert rows[0]["top1_agreement"] == 1.0 and rows[0]["ppl_change_pct"] == 0.0  # threshold 0 is the dense model
+    for r in rows:
+        assert 0 <= r["top1_agreement"] <= 1 and r["ppl_sparse"] > 0 and r["tok_s"] > 0, r
+        assert r["cache_budget_bytes"] > 0 and r["bytes_per_token"] > 0, r
+    assert out["top1_agreement_at_sparsity"] == rows[1]["top1_agreement"]
+    assert out["ours_capped"] is has_mmap
+    if has_mmap:  # ours ran in a capped child with the mmap baseline's allowance above its setup
+        assert all(r["max_usage_bytes"] for r in rows)
+    eq = out["equal_quality"]
+    assert eq["min_top1_agreement"] == 0.9
+    want_s = max(r["sparsity"] for r in rows if r["top1_agreement"] >= 0.9)
+    assert eq["sparsity"] == want_s and eq["top1_agreement"] >= 0.9
+
     assert out["goal_speedup_vs_mmap"] == 8.0
     speedups = _speedup_keys(out)
-    assert {("speedup_vs_mmap",), ("speedup_vs_on_demand",)} <= set(speedups)
+    assert {("speedup_vs_mmap",), ("speedup_vs_on_demand",), ("equal_quality", "speedup_vs_mmap")} <= set(speedups)
     if io["effective"] != "o_direct":  # e.g. FLOTILLA_CACHE on a tmpfs
         assert "page cache" in out["speedup_refused"] and out["goal_met"] is None
         assert all(_get(out, k) is None for k in speedups)
@@ -225,6 +241,9 @@ def test_sparse_bench_reports_consistent_figures(tiny_model):
     assert out["speedup_vs_on_demand"] == pytest.approx(t["ours"] / t["on_demand"], abs=0.006)
     if has_mmap:
         assert out["speedup_vs_mmap"] == pytest.approx(t["ours"] / t["mmap"], abs=0.006)
+        for r in rows:
+            assert r["speedup_vs_mmap"] == pytest.approx(r["tok_s"] / t["mmap"], abs=0.006), r
+        assert eq["speedup_vs_mmap"] == pytest.approx(eq["tok_s"] / t["mmap"], abs=0.006)
         assert out["goal_met"] is (out["speedup_vs_mmap"] >= 8.0)
         for j, r in runs.items():
             assert r["speedup_vs_mmap"] == pytest.approx(r["tok_s"] / t["mmap"], abs=0.006), j
@@ -255,6 +274,7 @@ def test_sparse_bench_refuses_speedups_when_o_direct_is_not_in_effect(tiny_model
         want.add(("bound", "max_speedup_if_io_fully_hidden"))
     assert want <= set(speedups)
     assert all(_get(out, k) is None for k in speedups), {k: _get(out, k) for k in speedups}
+    assert all(r["speedup_vs_mmap"] is None for r in out["thresholds"])  # rows of a list too
     assert out["goal_met"] is None and out["goal_speedup_vs_mmap"] == 8.0
     assert out["tok_s"]["ours"] > 0  # the figures themselves stay, labelled by io
     assert any("speedups refused" in line for line in lines)
