@@ -2,8 +2,10 @@
 what is left under its memory cgroup's limit (Linux containers, `systemd-run -p MemoryMax`,
 the benchmarks' capped runs). Elsewhere (Windows, macOS) the cgroup part is simply absent.
 
-Page cache counts against a cgroup's limit; its inactive file pages are reclaimed before
-the limit bites, so they count as room.
+Page cache counts against a cgroup's limit; its clean, unmapped file pages are reclaimed
+before the limit bites (a file just written and read back sits on the *active* list, so
+counting inactive pages alone would see no room after building a store), so they count
+as room: file - mapped - dirty - writeback.
 """
 
 from __future__ import annotations
@@ -30,27 +32,31 @@ def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGRO
         _id, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         rel = path.lstrip("/")
         if "memory" in controllers.split(","):  # v1
-            return _room(root / "memory" / rel, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                         "total_inactive_file")
+            return _room(root / "memory" / rel, "memory.limit_in_bytes", "memory.usage_in_bytes", _V1_KEYS)
         if _id == "0" and controllers == "" and (root / rel / "memory.max").exists():  # v2
-            return _room(root / rel, "memory.max", "memory.current", "inactive_file")
+            return _room(root / rel, "memory.max", "memory.current", _V2_KEYS)
     return None
 
 
-def _room(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+# memory.stat keys: (page cache, of it mapped, dirty, under writeback)
+_V1_KEYS = ("total_cache", "total_mapped_file", "total_dirty", "total_writeback")
+_V2_KEYS = ("file", "file_mapped", "file_dirty", "file_writeback")
+
+
+def _room(folder: Path, limit_file: str, usage_file: str, keys: tuple[str, str, str, str]) -> int | None:
     try:
         raw = (folder / limit_file).read_text().strip()
         if raw == "max" or int(raw) >= _UNLIMITED:
             return None
         limit, usage = int(raw), int((folder / usage_file).read_text().strip())
-        inactive = 0
+        stat = {}
         for line in (folder / "memory.stat").read_text().splitlines():
             key, _, value = line.partition(" ")
-            if key == inactive_key:
-                inactive = int(value)
+            stat[key] = int(value or 0)
     except (OSError, ValueError):
         return None
-    return max(0, limit - usage + inactive)
+    cache, mapped, dirty, writeback = (stat.get(k, 0) for k in keys)
+    return max(0, limit - usage + max(0, cache - mapped - dirty - writeback))
 
 
 def memory_room() -> int:

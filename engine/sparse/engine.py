@@ -13,6 +13,7 @@ interleaving requests would destroy the temporal locality the cache lives on.
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -89,6 +90,9 @@ class SparseBackend:
             gates = [weights.torch(layout.key(l, "gate")).clone() for l in range(layout.num_layers)]
             self.calib.own = [None] * layout.num_layers
         del weights  # the mmap of the checkpoint is not needed any more
+        # Calibration's mmap-backed model holds reference cycles (bound forwards): collect it now,
+        # so its mapped pages are gone before the budget looks at what this process may still take.
+        gc.collect()
         row_bytes = store.cache_slot_bytes
         per_layer = self.calib.max_active if cfg.mode == "exact" else [
             max(a, p) for a, p in zip(self.calib.max_active, self.calib.max_predicted)]

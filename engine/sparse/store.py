@@ -136,7 +136,13 @@ def build_store(weights: MappedWeights, layout: FFNLayout, out: Path, mode: str 
             buf[:, :payload] = body.reshape(layout.neurons, -1).view(np.uint8)
             for i in range(layout.neurons):
                 crcs[layer, i] = xxhash.xxh3_64_intdigest(buf[i, :payload])
-            buf.tofile(tmp / f"layer-{layer:03d}.bin")
+            with open(tmp / f"layer-{layer:03d}.bin", "wb") as f:
+                f.write(buf.data)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the folder is renamed into place
+                if hasattr(os, "posix_fadvise"):  # and out of the page cache: reads bypass it anyway
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            del buf, body
         np.save(tmp / "sums.npy", crcs)
         meta = {"version": STORE_VERSION, "mode": mode, "parts": list(parts), "stride": stride, "dtype": dtype,
                 "payload": payload, "layout": asdict(layout),

@@ -218,16 +218,24 @@ def test_sparse_bench_reports_consistent_figures(tiny_model):
     assert [r["sparsity"] for r in rows] == [0.0, 0.8]
     assert rows[0]["top1_agreement"] == 1.0 and rows[0]["ppl_change_pct"] == 0.0  # threshold 0 is the dense model
     for r in rows:
-        assert 0 <= r["top1_agreement"] <= 1 and r["ppl_sparse"] > 0 and r["tok_s"] > 0, r
-        assert r["cache_budget_bytes"] > 0 and r["bytes_per_token"] > 0, r
+        assert 0 <= r["top1_agreement"] <= 1 and r["ppl_sparse"] > 0, r
+        if r["skipped"]:  # at threshold 0 one layer's active set is all of it: more than this tiny cap leaves
+            assert r["tok_s"] is None and "does not fit" in r["skipped"], r
+            continue
+        assert r["tok_s"] > 0 and r["cache_budget_bytes"] > 0 and r["bytes_per_token"] > 0, r
+        if has_mmap:  # ours ran in a capped child with the mmap baseline's allowance above its setup
+            assert r["max_usage_bytes"], r
+    assert rows[1]["skipped"] is None  # the bench's own --sparsity always runs
     assert out["top1_agreement_at_sparsity"] == rows[1]["top1_agreement"]
     assert out["ours_capped"] is has_mmap
-    if has_mmap:  # ours ran in a capped child with the mmap baseline's allowance above its setup
-        assert all(r["max_usage_bytes"] for r in rows)
     eq = out["equal_quality"]
     assert eq["min_top1_agreement"] == 0.9
-    want_s = max(r["sparsity"] for r in rows if r["top1_agreement"] >= 0.9)
-    assert eq["sparsity"] == want_s and eq["top1_agreement"] >= 0.9
+    good = [r["sparsity"] for r in rows if r["top1_agreement"] >= 0.9 and r["tok_s"]]
+    assert eq["sparsity"] == (max(good) if good else None)
+    if good:
+        assert eq["top1_agreement"] >= 0.9
+    else:
+        assert "agreement" in eq["reason"] and eq["speedup_vs_mmap"] is None
 
     assert out["goal_speedup_vs_mmap"] == 8.0
     speedups = _speedup_keys(out)
@@ -242,8 +250,10 @@ def test_sparse_bench_reports_consistent_figures(tiny_model):
     if has_mmap:
         assert out["speedup_vs_mmap"] == pytest.approx(t["ours"] / t["mmap"], abs=0.006)
         for r in rows:
-            assert r["speedup_vs_mmap"] == pytest.approx(r["tok_s"] / t["mmap"], abs=0.006), r
-        assert eq["speedup_vs_mmap"] == pytest.approx(eq["tok_s"] / t["mmap"], abs=0.006)
+            if r["tok_s"]:
+                assert r["speedup_vs_mmap"] == pytest.approx(r["tok_s"] / t["mmap"], abs=0.006), r
+        if good:
+            assert eq["speedup_vs_mmap"] == pytest.approx(eq["tok_s"] / t["mmap"], abs=0.006)
         assert out["goal_met"] is (out["speedup_vs_mmap"] >= 8.0)
         for j, r in runs.items():
             assert r["speedup_vs_mmap"] == pytest.approx(r["tok_s"] / t["mmap"], abs=0.006), j

@@ -1,0 +1,48 @@
+"""memory_room: what this process may still take under its memory cgroup (v1 and v2, faked here as
+files), clean unmapped page cache counted as free, no limit -> None."""
+
+from __future__ import annotations
+
+from engine.platform.memory import cgroup_room
+
+MB = 2**20
+
+
+def _v1(tmp_path, limit: int, usage: int, **stat: int):
+    group = tmp_path / "memory" / "flotilla-x"
+    group.mkdir(parents=True)
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    (group / "memory.usage_in_bytes").write_text(str(usage))
+    (group / "memory.stat").write_text("".join(f"{k} {v}\n" for k, v in stat.items()))
+    proc = tmp_path / "cgroup"
+    proc.write_text("12:cpu,cpuacct:/\n5:memory:/flotilla-x\n")
+    return proc
+
+
+def test_v1_room_counts_clean_unmapped_page_cache(tmp_path):
+    proc = _v1(tmp_path, 1000 * MB, 900 * MB, total_cache=300 * MB, total_mapped_file=40 * MB,
+               total_dirty=10 * MB, total_writeback=0)
+    assert cgroup_room(proc, tmp_path) == (100 + 300 - 40 - 10) * MB
+
+
+def test_v1_without_a_limit_is_none(tmp_path):
+    proc = _v1(tmp_path, 9223372036854771712, 5 * MB, total_cache=0)
+    assert cgroup_room(proc, tmp_path) is None
+
+
+def test_v2_room(tmp_path):
+    group = tmp_path / "user.slice"
+    group.mkdir()
+    (group / "memory.max").write_text(str(2000 * MB))
+    (group / "memory.current").write_text(str(1500 * MB))
+    (group / "memory.stat").write_text(f"anon {1000 * MB}\nfile {500 * MB}\nfile_mapped {100 * MB}\n"
+                                       f"file_dirty 0\nfile_writeback 0\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/user.slice\n")
+    assert cgroup_room(proc, tmp_path) == (500 + 400) * MB
+    (group / "memory.max").write_text("max\n")
+    assert cgroup_room(proc, tmp_path) is None
+
+
+def test_no_cgroup_file_is_none(tmp_path):
+    assert cgroup_room(tmp_path / "missing", tmp_path) is None
