@@ -64,3 +64,18 @@ def memory_room() -> int:
     room = cgroup_room()
     free = available_ram()
     return free if room is None else min(free, room)
+
+
+def release_free_heap() -> None:
+    """Give freed heap memory back to the OS now (glibc's malloc_trim): after a one-off phase
+    that allocated and freed a lot (building a store, calibrating), so the memory left for
+    caches is measured without it. A no-op where there is no glibc (Windows, macOS, musl)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -31,7 +31,7 @@ from engine.serve.local import LocalEngine, context_from_config
 DEFAULT_CONTEXT = 4096  # KV bounded per request when no context is asked (models train to 128k)
 from engine.sparse.cache import BudgetError
 from engine.sparse.calibrate import CalibConfig, ensure_calibration, work_dir
-from engine.platform.memory import memory_room
+from engine.platform.memory import memory_room, release_free_heap
 from engine.runtime.budget import fit_budget
 from engine.sparse.memory import MemoryPolicy
 from engine.sparse.model import SparseMLP, SparseRuntime, SparseRuntimeConfig
@@ -91,8 +91,10 @@ class SparseBackend:
             self.calib.own = [None] * layout.num_layers
         del weights  # the mmap of the checkpoint is not needed any more
         # Calibration's mmap-backed model holds reference cycles (bound forwards): collect it now,
-        # so its mapped pages are gone before the budget looks at what this process may still take.
+        # so its mapped pages are gone before the budget looks at what this process may still take;
+        # then hand the heap that store building and calibration freed back to the OS.
         gc.collect()
+        release_free_heap()
         row_bytes = store.cache_slot_bytes
         per_layer = self.calib.max_active if cfg.mode == "exact" else [
             max(a, p) for a, p in zip(self.calib.max_active, self.calib.max_predicted)]

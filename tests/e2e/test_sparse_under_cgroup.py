@@ -1,12 +1,12 @@
 """The sparse engine on a bf16 Llama-shaped checkpoint bigger than the memory it runs in.
 
-A random-weight checkpoint of 1.1 GB (bf16, 4 safetensors files with an index; hidden 2048,
-FFN 8192 wide, 10 layers, 4 attention heads: 1.0 GB of FFN weights; at hidden 2048 a bf16
+A random-weight checkpoint of 1.6 GB (bf16, safetensors files with an index; hidden 2048,
+FFN 12288 wide, 10 layers, 4 attention heads: 1.5 GB of FFN weights; at hidden 2048 a bf16
 neuron bundle is exactly 3 pages, so the store needs no padding, as at Llama-3.1-8B's 4096) goes through everything a first start
 does -- the neuron store is built, the thresholds and predictors calibrated (layer by layer
 from the mmap'd checkpoint, on a short text to keep the test short), attention and
 embeddings loaded -- and then answers a chat, all in one process inside a cgroup-v1 memory
-group capped at 0.85 x the checkpoint (the Python process, libraries and page cache
+group capped at 0.7 x the checkpoint (the Python process, libraries and page cache
 included). The engine sets its neuron cache from what the cap leaves.
 
 Checked: 16 tokens, no OOM kill, the group's cap below the checkpoint, the store's bytes
@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 TOKENS = 16
-CAP_FRACTION = 0.85
+CAP_FRACTION = 0.7
 TEXT = ("The sparse engine keeps attention and embeddings in memory and reads the rows of the feed-forward "
         "layers it needs from the disk, one neuron at a time, guided by a small predictor. ") * 6
 
@@ -45,9 +45,9 @@ print(json.dumps({"tokens": sum(len(e.token_ids) for e in events), "error": even
 def capped_spec():
     from engine.bench._checkpoint import LLAMA_3_1_8B
 
-    return LLAMA_3_1_8B.scaled(name="llama-sparse-capped-test", hidden_size=2048, intermediate_size=8192,
+    return LLAMA_3_1_8B.scaled(name="llama-sparse-capped-test", hidden_size=2048, intermediate_size=12288,
                                num_layers=10, num_heads=4, num_kv_heads=2, head_dim_override=128, vocab_size=4096,
-                               max_position_embeddings=4096, rope_scaling=None, max_file_bytes=300 * 10**6)
+                               max_position_embeddings=4096, rope_scaling=None, max_file_bytes=400 * 10**6)
 
 
 def test_sparse_chat_runs_under_a_cap_below_its_checkpoint(tmp_path):
@@ -58,7 +58,7 @@ def test_sparse_chat_runs_under_a_cap_below_its_checkpoint(tmp_path):
     spec = capped_spec()
     path = ensure_checkpoint(spec)
     ckpt = checkpoint_bytes(path)
-    assert len(list(path.glob("*.safetensors"))) >= 2 and ckpt > 10**9
+    assert len(list(path.glob("*.safetensors"))) >= 2 and ckpt > 1.5e9
     text = tmp_path / "calibration.txt"
     text.write_text(TEXT, encoding="utf-8")
     env = dict(os.environ, FLOTILLA_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
