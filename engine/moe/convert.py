@@ -34,7 +34,7 @@ import torch
 
 from engine.moe.store import (ALIGN, BLOB_FILE, INDEX_FILE, REST_FILE, STORE_VERSION, BlobInfo, StoreError,
                               StoreIndex, align_up, blob_parts, checksum, default_checksum)
-from engine.runtime.stored import STORAGE_DTYPES, dtype_name, quantize_rows
+from engine.runtime.stored import ST_DTYPES, STORAGE_DTYPES, dtype_name, quantize_rows
 
 Progress = Callable[[str, float], None]
 
@@ -222,7 +222,7 @@ def write_rest(path: Path, items: list[tuple[str, object]], weights: str | None)
             plan.append((out, name, h, "copy", st_dtype, shape))
     header, offset = {}, 0
     for out, _n, _h, _w, st_dtype, shape in plan:
-        n = _ST_BYTES[st_dtype]
+        n = ST_DTYPES[st_dtype].itemsize
         for d in shape:
             n *= int(d)
         header[out] = {"dtype": st_dtype, "shape": shape, "data_offsets": [offset, offset + n]}
@@ -246,7 +246,6 @@ def write_rest(path: Path, items: list[tuple[str, object]], weights: str | None)
 
 
 SCALE_SUFFIX = ".qscale"
-_ST_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "BOOL": 1}
 
 
 def _stacked_count(handles, where, s: dict[str, str]) -> int:

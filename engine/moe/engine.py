@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -38,7 +37,7 @@ from engine.runtime.chat import chat_ids, prompt_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, decode_one, finished
 from engine.serve.interface import Engine, EngineError, EngineInfo
-from engine.serve.local import drain_inbox, refuse_waiting
+from engine.serve.local import context_from_config, drain_inbox, refuse_waiting
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ class MoEEngine(Engine):
             raise EngineError(f"kv_precision must be one of {', '.join(KV_DTYPES)}, not {config.kv_precision!r}")
         self.store = ExpertStore(store_dir, StoreConfig(direct=config.direct_io, verify=config.verify))
         try:
-            trained = int(_config_value(store_dir, "max_position_embeddings") or DEFAULT_CONTEXT)
+            trained = context_from_config(Path(store_dir))
             self.context_length = min(config.context_length or DEFAULT_CONTEXT, trained)
             report("loading the resident weights", 0.3)
             self.model = MoEModel(store_dir, self.store.index, kv_slots=config.max_concurrent,
@@ -280,11 +279,6 @@ def open_moe_engine(spec: str, options: Any, progress: Progress | None = None) -
     if getattr(options, "precision", "default") == "f32" and "kv_precision" not in (options.extra or {}):
         config = dataclasses.replace(config, kv_precision="f32")
     return MoEEngine.from_spec(spec, config, progress)
-
-
-def _config_value(store_dir: Path, key: str):
-    config = json.loads((Path(store_dir) / "config.json").read_text(encoding="utf-8"))
-    return config.get("text_config", config).get(key)
 
 
 def _one_line(e: BaseException) -> str:

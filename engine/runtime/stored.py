@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 BLOCK_BYTES = 8 << 20  # f32 bytes of weight widened at once (8 MiB: a few rows of a big matrix)
 STORAGE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
-SAFETENSORS_NAMES = {"F32": "f32", "BF16": "bf16", "F16": "fp16", "I8": "int8"}
+# safetensors dtype names -> torch dtypes (TensorFile reads them; the MoE converter writes them)
+ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
+             "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -134,9 +136,6 @@ class TensorFile:
     dropped from the page cache where the OS allows it (posix_fadvise), so a load does
     not leave the file's bytes behind in RAM too."""
 
-    _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
-               "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
-
     def __init__(self, path) -> None:
         import json
         import struct
@@ -157,7 +156,7 @@ class TensorFile:
 
         info = self._head[name]
         start, end = info["data_offsets"]
-        t = torch.empty(info["shape"], dtype=self._DTYPES[info["dtype"]])
+        t = torch.empty(info["shape"], dtype=ST_DTYPES[info["dtype"]])
         view = memoryview(t.view(torch.uint8).numpy().reshape(-1)) if t.numel() else memoryview(b"")
         done = 0
         while done < end - start:
