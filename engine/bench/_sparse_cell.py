@@ -5,7 +5,9 @@
 It opens the engine (the parent already built the store and the calibration), drops the
 checkpoint's pages from the page cache, prints READY and waits for GO while the parent caps
 its memory group (engine.sparse.baseline.run_capped_child: the same allowance the mmap
-baseline gets), decodes, and prints the figures of engine.bench.sparse.decode_run as JSON."""
+baseline gets), decodes, and prints the figures of engine.bench.sparse.decode_run as JSON.
+Under a cap set from its first byte with no budget given, the engine picks its cache budget
+itself (what a user gets); if no budget fits, the first line is {"error": "<its one line>"}."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ def main(argv: list[str]) -> int:
 
     from engine.bench.sparse import decode_run
     from engine.sparse.baseline import drop_page_cache
-    from engine.sparse.engine import SparseBackend, SparseConfig
+    from engine.sparse.cache import BudgetError
+    from engine.sparse.engine import DEFAULT_CONTEXT, SparseBackend, SparseConfig
     from engine.sparse.store import StoreConfig
     from engine.sparse.weights import safetensors_files
 
@@ -28,7 +31,12 @@ def main(argv: list[str]) -> int:
     path = Path(cell["path"])
     config = dict(cell["config"])
     store = StoreConfig(**config.pop("store"))
-    backend = SparseBackend(path, SparseConfig(**config, store=store))
+    cfg = SparseConfig(**config, store=store)
+    try:
+        backend = SparseBackend(path, cfg, context_length=cfg.context_length or DEFAULT_CONTEXT)
+    except BudgetError as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+        return 0
     drop_page_cache(safetensors_files(path))
     print("READY", flush=True)
     sys.stdin.readline()

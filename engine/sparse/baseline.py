@@ -42,16 +42,23 @@ def drop_page_cache(files) -> None:
 
 
 def run_capped_child(argv: list[str], weight_cap_bytes: int, slack_bytes: int = 16 * 2**20,
-                     timeout: float = 900, what: str = "child") -> dict:
+                     timeout: float = 900, what: str = "child", limit_bytes: int | None = None) -> dict:
     """Run `python -m <argv>` in a fresh memory group; once it prints READY (set up: resident
     weights loaded, page cache dropped), cap the group at its usage + slack + weight_cap_bytes,
     send GO and return the JSON of its last line, with the limit and peak. The sparse engine
     and the mmap baseline both run this way, so they get the same allowance above their
-    common setup (attention, embeddings, the interpreter)."""
+    common setup (attention, embeddings, the interpreter).
+
+    limit_bytes: the group is capped there from the child's first byte instead (set-up
+    included: what a PC with that much memory gives the process); weight_cap_bytes and
+    slack_bytes are then unused. A child may print {"error": ...} as its last line to
+    report a refusal (a budget that does not fit): it is returned as it is."""
     group = CGROOT / f"flotilla-sparse-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     group.mkdir()
     try:
         procs = str(group / "cgroup.procs")
+        if limit_bytes is not None:
+            (group / "memory.limit_in_bytes").write_text(str(int(limit_bytes)))
 
         def enter() -> None:  # in the child, before exec: charge everything to the group
             with open(procs, "w") as f:
@@ -62,15 +69,21 @@ def run_capped_child(argv: list[str], weight_cap_bytes: int, slack_bytes: int = 
         child = subprocess.Popen([sys.executable, "-m", *argv], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True, preexec_fn=enter, env=env)
         try:
-            ready = child.stdout.readline().split()
-            if not ready or ready[0] != "READY":
-                raise RuntimeError(f"{what} failed to start: {ready}")
+            first = child.stdout.readline()
+            ready = first.split()
             usage = int((group / "memory.usage_in_bytes").read_text())
-            limit = usage + slack_bytes + weight_cap_bytes
-            (group / "memory.limit_in_bytes").write_text(str(limit))
-            child.stdin.write("GO\n")
-            child.stdin.flush()
-            out, _ = child.communicate(timeout=timeout)
+            if ready and ready[0] == "READY":
+                limit = int(limit_bytes) if limit_bytes is not None else usage + slack_bytes + weight_cap_bytes
+                if limit_bytes is None:
+                    (group / "memory.limit_in_bytes").write_text(str(limit))
+                child.stdin.write("GO\n")
+                child.stdin.flush()
+                out, _ = child.communicate(timeout=timeout)
+            elif first.startswith("{"):  # refused during set-up: its one-line reason
+                child.communicate(timeout=timeout)
+                return json.loads(first)
+            else:
+                raise RuntimeError(f"{what} failed to start: {ready}")
         finally:
             if child.poll() is None:
                 child.kill()
@@ -97,11 +110,13 @@ def run_capped_child(argv: list[str], weight_cap_bytes: int, slack_bytes: int = 
 
 
 def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_cap_bytes: int,
-                      slack_bytes: int = 16 * 2**20, timeout: float = 900) -> dict:
+                      slack_bytes: int = 16 * 2**20, timeout: float = 900, limit_bytes: int | None = None) -> dict:
     """The dense model through mmap under a cap of (its setup usage + slack + weight_cap_bytes):
-    weight_cap_bytes is the page cache the FFN weights may use (the engine's cap)."""
+    weight_cap_bytes is the page cache the FFN weights may use (the engine's cap); or under
+    limit_bytes from its first byte."""
     return run_capped_child(["engine.sparse.baseline", str(model_dir), json.dumps(prompt), str(tokens)],
-                            weight_cap_bytes, slack_bytes, timeout, what="mmap baseline child")
+                            weight_cap_bytes, slack_bytes, timeout, what="mmap baseline child",
+                            limit_bytes=limit_bytes)
 
 
 def _child(model_dir: str, prompt: str, tokens: str) -> None:

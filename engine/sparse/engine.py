@@ -79,8 +79,7 @@ class SparseBackend:
         weights = MappedWeights(model_dir)
         if not (store_dir / "meta.json").exists():
             build_store(weights, layout, store_dir, store_kind, report)
-        self.calib = ensure_calibration(model_dir, CalibConfig(
-            sparsity=cfg.sparsity, text=cfg.text, predictor=PredictorConfig(rank=cfg.rank)), report)
+        self.calib = ensure_calibration(model_dir, calib_config(cfg), report)
         store = BundleStore(store_dir, cfg.store)
         report("loading attention and embeddings", 0.9)
         self.model = build_skeleton(model_dir)
@@ -96,9 +95,7 @@ class SparseBackend:
         gc.collect()
         release_free_heap()
         row_bytes = store.cache_slot_bytes
-        per_layer = self.calib.max_active if cfg.mode == "exact" else [
-            max(a, p) for a, p in zip(self.calib.max_active, self.calib.max_predicted)]
-        self.min_budget = max(per_layer) * row_bytes  # one layer's (largest) active set
+        self.min_budget = min_cache_bytes(self.calib, cfg.mode, row_bytes)
         all_rows = layout.num_layers * layout.neurons * row_bytes
         budget = cfg.cache_budget_bytes
         if budget is not None and budget < self.min_budget:
@@ -107,7 +104,7 @@ class SparseBackend:
                               f"set; the minimum for this model and mode is {self.min_budget / 2**20:.1f} MiB "
                               f"({self.min_budget} bytes)")
         self.kv_reserve_bytes = kv_reserve_bytes(self.model.config, context_length, max_concurrent)
-        self.working_bytes = working_bytes(self.model.config, context_length)
+        self.working_bytes = working_bytes(self.model.config, context_length, layer_rows_bytes=layout.neurons * row_bytes)
         try:  # the same rule as the MoE engine: decided now that the resident weights are in
             budget = fit_budget(budget, self.min_budget, all_rows, memory_room(), self.kv_reserve_bytes,
                                 self.working_bytes, what="neuron cache")
@@ -148,6 +145,19 @@ class SparseBackend:
         self.model = None
 
 
+def calib_config(cfg: SparseConfig) -> CalibConfig:
+    """The calibration a SparseConfig runs on (its threshold, text and predictor width)."""
+    return CalibConfig(sparsity=cfg.sparsity, text=cfg.text, predictor=PredictorConfig(rank=cfg.rank))
+
+
+def min_cache_bytes(calib, mode: str, row_bytes: int) -> int:
+    """The smallest neuron cache: one layer's largest active set (predicted mode: or the
+    predictor's largest set, whichever is bigger), in cache slots of row_bytes."""
+    per_layer = calib.max_active if mode == "exact" else [
+        max(a, p) for a, p in zip(calib.max_active, calib.max_predicted)]
+    return max(per_layer) * row_bytes
+
+
 def kv_reserve_bytes(config, context: int, requests: int) -> int:
     """KV of `requests` full contexts in the torch stream's cache (f32 keys and values)."""
     c = getattr(config, "text_config", config)
@@ -157,14 +167,16 @@ def kv_reserve_bytes(config, context: int, requests: int) -> int:
     return 2 * int(c.num_hidden_layers) * kv_heads * head_dim * 4 * int(context) * int(requests)
 
 
-def working_bytes(config, context: int, chunk: int = 512) -> int:
+def working_bytes(config, context: int, chunk: int = 512, layer_rows_bytes: int = 0) -> int:
     """RAM one prefill chunk needs beyond weights, KV and cache (a generous estimate): its rows
-    through attention and the FFN, its attention scores, its logits, and slack."""
+    through attention and the FFN, its attention scores, its logits, the FFN rows of one layer
+    gathered out of the cache (layer_rows_bytes: a chunk of many tokens needs nearly every
+    neuron of a layer at once), and slack."""
     c = getattr(config, "text_config", config)
     rows = chunk * (16 * int(c.hidden_size) + 3 * int(c.intermediate_size)) * 4
     scores = int(c.num_attention_heads) * chunk * int(context) * 4
     logits = chunk * int(c.vocab_size) * 4
-    return rows + scores + logits + (32 << 20)
+    return rows + scores + logits + int(layer_rows_bytes) + (32 << 20)
 
 
 class _NoSpeculation:

@@ -139,12 +139,28 @@ class MappedWeights:
         return self.raw(name)
 
     def torch(self, name: str):
-        import torch
+        return _as_torch(self.raw(name), self.dtype_of(name))
 
-        with warnings.catch_warnings():  # read-only buffer: we never write into it
-            warnings.simplefilter("ignore")
-            t = torch.from_numpy(self.raw(name))
-        return t.view(torch.bfloat16) if self.dtype_of(name) == "BF16" else t
+    def detached(self, name: str):
+        """The tensor as a torch view of a mapping of its own bytes only. A view into the
+        shared maps would keep every page the resident copies touched mapped (and counted
+        as used) for as long as it lives; this one holds only the pages its reads touch."""
+        i, off, dt, shape = self._where[name]
+        dtype = np.dtype(_ST_DTYPES[dt])
+        count = int(np.prod(shape)) if shape else 1
+        start = off - off % mmap.ALLOCATIONGRANULARITY  # mmap offsets are granularity-aligned
+        with open(self.files[i], "rb") as f:
+            m = mmap.mmap(f.fileno(), off - start + count * dtype.itemsize, access=mmap.ACCESS_READ, offset=start)
+        return _as_torch(np.frombuffer(m, dtype=dtype, count=count, offset=off - start).reshape(shape), dt)
+
+
+def _as_torch(a: np.ndarray, st_dtype: str):
+    import torch
+
+    with warnings.catch_warnings():  # read-only buffer: we never write into it
+        warnings.simplefilter("ignore")
+        t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if st_dtype == "BF16" else t
 
 
 # --------------------------------------------------------------------------- skeleton
@@ -187,13 +203,16 @@ def put_weights(model, weights: MappedWeights, layout: FFNLayout, resident: bool
     `resident`, else views of the mmap (the OS-paging baseline). 16-bit Linear weights
     and embeddings stay in their dtype (Linear computes with mixed_linear, as llama.cpp
     does and as the sparse engine's FFN does; embedding rows are widened on lookup);
-    16-bit norms become f32 (a few KB). Returns the RAM bytes of the non-FFN weights."""
+    16-bit norms become f32 (a few KB). An untied input embedding is always a view of
+    the mmap (a lookup reads only its rows). Returns the RAM bytes of the copied non-FFN
+    weights."""
     import types
 
     import torch
 
     non_ffn = 0
     names = set(weights.names())
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, _ in list(model.named_parameters()):
         ffn = layout.is_ffn_key(name)
         if ffn and not with_ffn:
@@ -212,6 +231,15 @@ def put_weights(model, weights: MappedWeights, layout: FFNLayout, resident: bool
         copied = True
         if ffn:
             t, copied = (t.clone(), True) if resident else (t, False)
+        elif embedding and not tied:
+            # A lookup reads one row per token: the table stays a view of the file and the OS
+            # pages in the rows used (Llama-3-8B: 1 GB in bf16 not held). A tied table is the
+            # head too, read whole every token: it is resident like the other matrices.
+            t, copied = weights.detached(src), False
+            if sixteen:
+                mod.forward = types.MethodType(_widened_lookup, mod)
+            elif t.dtype != torch.float32:
+                t, copied = t.float(), True
         elif sixteen and (linear or embedding):
             t, copied = (t.clone(), True) if copy_rest else (t, False)
             mod.forward = types.MethodType(_mixed_forward if linear else _widened_lookup, mod)
@@ -257,7 +285,11 @@ def mixed_linear(x, w):
 
     if w.dtype == torch.float32:
         return torch.nn.functional.linear(x, w)
-    return torch.nn.functional.linear(x.to(w.dtype), w).float()
+    # x in fresh, row-major storage: a strided x (transformers' last-position slice
+    # hidden[:, -1:, :] keeps the stride of its sequence) sends torch's 16-bit linear down
+    # a path that copies the whole weight -- 1 GB for Llama-3-8B's head, on every prefill
+    xw = torch.empty(x.shape, dtype=w.dtype).copy_(x)
+    return torch.nn.functional.linear(xw, w).float()
 
 
 def _module_base():

@@ -32,7 +32,7 @@ from engine.moe.store import IO_MODES, fs_type  # noqa: E402
 
 REPO_SCRATCH = Path(__file__).resolve().parents[3] / ".cache"  # the repository's disk, whatever FLOTILLA_CACHE is
 SHAPE = dict(layers=2, hidden=1024, intermediate=2048, heads=8, kv_heads=2)  # bf16: 4 KiB exact-mode bundles
-TINY = ["--layers", "2", "--hidden", "1024", "--intermediate", "2048", "--heads", "8", "--kv-heads", "2",
+TINY = ["--shape", "synthetic", "--layers", "2", "--hidden", "1024", "--intermediate", "2048", "--heads", "8", "--kv-heads", "2",
         "--tokens", "3", "--repeats", "1", "--sparsities", "0,0.8"]
 
 
@@ -267,13 +267,41 @@ def test_sparse_bench_reports_consistent_figures(tiny_model):
     assert any("repeat 1/1: ours" in line for line in lines)
 
 
-def test_sparse_bench_refuses_speedups_when_o_direct_is_not_in_effect(tiny_model, monkeypatch, caplog):
-    # As if the store lived on tmpfs: O_DIRECT is requested, the store's reads are buffered.
+def test_real_shape_runs_every_engine_under_one_absolute_cap_and_refuses_speedups_without_o_direct(
+        monkeypatch, caplog):
+    """`--shape llama-3.1-8b` on a few-MB stand-in of the same recipe (the checkpoint builder's
+    sharded bf16 files): ours, on-demand and the mmap baseline each run in a memory group capped
+    at cap-fraction x the checkpoint from its first byte, ours picking its own cache budget under
+    it. And, as if the store lived on tmpfs (O_DIRECT requested, reads buffered), every speedup
+    is refused."""
+    from engine.bench._checkpoint import LLAMA_3_1_8B, checkpoint_bytes, checkpoint_path
+    from engine.models.demo import TOKENIZER_VOCAB
+
+    spec = LLAMA_3_1_8B.scaled(name="test-sparse-real-shape", hidden_size=256, intermediate_size=1024,
+                               num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=TOKENIZER_VOCAB,
+                               max_position_embeddings=4096, rope_scaling=None, max_file_bytes=4 << 20)
+    monkeypatch.setattr(sparse, "real_spec", lambda layers, quick: spec)
     monkeypatch.setattr(io_mod, "fs_type", lambda _path: "tmpfs")
+    frac = 40.0  # the interpreter and torch alone are ~300 MB: far more than this model
     lines: list[str] = []
     with caplog.at_level(logging.WARNING, logger="engine.sparse.store"):
-        out = sparse.run(_args(TINY), lines.append)
+        out = sparse.run(_args(["--shape", "llama-3.1-8b", "--cap-fraction", str(frac), "--tokens", "3",
+                                "--repeats", "1", "--sparsities", "0,0.8"]), lines.append)
     json.dumps(out)
+    ckpt = checkpoint_bytes(checkpoint_path(spec))
+    assert len(list(checkpoint_path(spec).glob("model-*.safetensors"))) >= 2  # sharded, as shipped
+    assert out["model"]["shape"] == "llama-3.1-8b" and out["model"]["checkpoint_bytes"] == ckpt
+    assert out["mode"] == "predicted" and out["cap_rule"].startswith("absolute")
+    assert out["cap_bytes"] == int(ckpt * frac) and out["checkpoint_over_cap"] == round(1 / frac, 2)
+    for who in ("ours_cgroup", "mmap_cgroup"):  # the same limit, set before the child's first byte
+        cg = out[who]
+        assert cg["cgroup_limit_bytes"] == out["cap_bytes"], who
+        assert cg["max_usage_bytes"] <= out["cap_bytes"], who
+    assert out["ours_cgroup"]["oom_kills"] == 0
+    for r in out["thresholds"]:  # the engine chose its budget: at least one layer's set, at most the cap
+        assert r["skipped"] is None and out["min_cache_budget_bytes"] <= r["cache_budget_bytes"] < out["cap_bytes"]
+    assert out["thresholds"][0]["top1_agreement"] == 1.0  # threshold 0 in predicted mode: the dense model
+    assert out["context_length"] == sparse.CONTEXT
     assert out["io"]["requested"] == "o_direct" and out["io"]["effective"] == "buffered"
     assert "tmpfs" in out["io"]["fallback_reason"]
     assert "O_DIRECT was requested" in out["speedup_refused"] and "page cache" in out["speedup_refused"]

@@ -1,6 +1,7 @@
 """Calibration reads the checkpoint as it is: the mmap-backed model run one decoder layer at a
 time gives the FFN inputs transformers' own forward gives (f32), holds no weight copy, and the
-sparse engine keeps 16-bit embeddings and head in their dtype."""
+sparse engine keeps 16-bit embeddings and head in their dtype, the input embedding (untied) as
+a view of the file, not a copy in RAM."""
 
 from __future__ import annotations
 
@@ -57,3 +58,23 @@ def test_engine_keeps_16_bit_embeddings_and_head(wide_model_bf16):
         ids = torch.tensor([[1, 2, 3]])
         assert model.get_input_embeddings()(ids).dtype == torch.float32
         assert not any(p.is_meta for n, p in model.named_parameters() if ".mlp." not in n)
+        emb, head = model.get_input_embeddings().weight, model.lm_head.weight
+        assert emb.data_ptr() != head.data_ptr()  # the fixture is untied
+        # the untied table is not a copy: its bytes lie in a mapping of the checkpoint file,
+        # and what the engine reports as resident leaves it out
+        assert _mapped_file(emb.data_ptr()).endswith(".safetensors")
+        assert not _mapped_file(head.data_ptr()).endswith(".safetensors")
+        resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if ".mlp." not in n and n != "model.embed_tokens.weight")
+        assert eng.backend.resident_bytes == resident
+
+
+def _mapped_file(address: int) -> str:
+    """The file behind the mapping that holds `address` ("" for anonymous memory)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                return parts[5] if len(parts) > 5 else ""
+    raise AssertionError(f"address {address:#x} is not mapped")
