@@ -167,7 +167,8 @@ class MoEModel:
         """Bytes of every resident weight (what the model holds besides experts and KV)."""
         seen, n = set(), 0
         tensors = [t for m in list(self.model.modules()) + self.qkv if isinstance(m, (StoredLinear, StoredEmbedding))
-                   for t in (m.weight, m.scale, getattr(m, "bias", None)) if t is not None]
+                   for t in (None if getattr(m, "mapped", False) else m.weight, m.scale, getattr(m, "bias", None))
+                   if t is not None]
         tensors += list(self.model.parameters()) + list(self.model.buffers())
         for t in tensors:
             if t.data_ptr() not in seen:
@@ -400,12 +401,15 @@ def _load_resident(model, path: Path, config) -> None:
         for mname, module in list(model.named_modules()):
             if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
                 continue
-            weight = take(f"{mname}.weight")
+            # an untied input embedding is read a row per token: a view of the file, not a copy
+            mapped = isinstance(module, torch.nn.Embedding) and not getattr(config, "tie_word_embeddings", False)
+            weight = (f.mapped if mapped else f.get)(f"{mname}.weight") if f"{mname}.weight" in names else None
             if weight is None:
                 continue  # a tied head: set below
+            used.add(f"{mname}.weight")
             scale = take(f"{mname}.weight{SCALE_SUFFIX}")
             if isinstance(module, torch.nn.Embedding):
-                new = StoredEmbedding(weight, scale)
+                new = StoredEmbedding(weight, scale, mapped=mapped)
             else:
                 bias = take(f"{mname}.bias")
                 new = StoredLinear(weight, scale, bias)

@@ -110,20 +110,43 @@ class StoredLinear(torch.nn.Module):
 
 
 class StoredEmbedding(torch.nn.Module):
-    """nn.Embedding's lookup over a table kept in its storage dtype (rows widened on lookup)."""
+    """nn.Embedding's lookup over a table kept in its storage dtype (rows widened on lookup).
+    `mapped`: the table is a view of its file (mapped_tensor), not held in RAM."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, mapped: bool = False) -> None:
         super().__init__()
-        self.weight, self.scale = weight, scale
+        self.weight, self.scale, self.mapped = weight, scale, mapped
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (None if self.mapped else self.weight, self.scale)
+                   if t is not None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.weight[ids].float()  # [..., H]
         if self.scale is not None:
             rows *= self.scale[ids][..., None]
         return rows
+
+
+def mapped_tensor(path, offset: int, shape, st_dtype: str) -> torch.Tensor:
+    """A read-only view of one tensor's bytes in a file, through a mapping of those bytes only.
+    Nothing is read until used: the OS pages in what a lookup touches and may drop it again.
+    For an input embedding, which a token reads one row of: held whole, Llama-3-8B's is
+    1 GB in bf16, Qwen3-30B-A3B's 0.6 GB. Its own mapping, because a view into a mapping
+    shared with other loads would keep every page they touched mapped as long as it lives."""
+    import mmap
+    import warnings
+
+    dtype = ST_DTYPES[st_dtype]
+    count = 1
+    for d in shape:
+        count *= int(d)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets are granularity-aligned
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), offset - start + count * dtype.itemsize, access=mmap.ACCESS_READ, offset=start)
+    with warnings.catch_warnings():  # a read-only buffer: nothing writes into it
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(m, dtype=dtype, count=count, offset=offset - start).reshape(tuple(shape))
 
 
 class TensorFile:
@@ -168,6 +191,11 @@ class TensorFile:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._f.fileno(), self._base + start, end - start, os.POSIX_FADV_DONTNEED)
         return t
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """The tensor as a view of the file (mapped_tensor), not a copy."""
+        info = self._head[name]
+        return mapped_tensor(self.path, self._base + info["data_offsets"][0], info["shape"], info["dtype"])
 
     def close(self) -> None:
         self._f.close()

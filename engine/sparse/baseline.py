@@ -83,22 +83,23 @@ def run_capped_child(argv: list[str], weight_cap_bytes: int, slack_bytes: int = 
                 child.communicate(timeout=timeout)
                 return json.loads(first)
             else:
-                raise RuntimeError(f"{what} failed to start: {ready}")
+                child.wait(timeout=timeout)
+                killed = _oom_kills(group) > 0
+                raise RuntimeError(f"{what} " + (f"OOM-killed while setting up under a {limit_bytes / 1e6:.0f} MB "
+                                                 "limit" if killed else f"failed to start (exit {child.returncode}, "
+                                                 f"printed {first.strip()[:200]!r})"))
         finally:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        oom = {}
-        for line in (group / "memory.oom_control").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            oom[key] = int(value or 0)
+        kills = _oom_kills(group)
         if child.returncode != 0:
-            why = "OOM-killed under the cap" if oom.get("oom_kill") else f"exited with {child.returncode}"
+            why = "OOM-killed under the cap" if kills else f"exited with {child.returncode}"
             raise RuntimeError(f"{what} {why}")
         result = json.loads(out.strip().splitlines()[-1])
         result.update(cgroup_limit_bytes=limit, setup_usage_bytes=usage,
                       max_usage_bytes=int((group / "memory.max_usage_in_bytes").read_text()),
-                      oom_kills=oom.get("oom_kill", 0))
+                      oom_kills=kills)
         return result
     finally:
         for _ in range(50):
@@ -107,6 +108,15 @@ def run_capped_child(argv: list[str], weight_cap_bytes: int, slack_bytes: int = 
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def _oom_kills(group: Path) -> int:
+    """Processes of the group the OOM killer ended (memory.oom_control's oom_kill)."""
+    for line in (group / "memory.oom_control").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value or 0)
+    return 0
 
 
 def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_cap_bytes: int,

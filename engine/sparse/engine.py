@@ -169,13 +169,14 @@ def kv_reserve_bytes(config, context: int, requests: int) -> int:
 
 def working_bytes(config, context: int, chunk: int = 512, layer_rows_bytes: int = 0) -> int:
     """RAM one prefill chunk needs beyond weights, KV and cache (a generous estimate): its rows
-    through attention and the FFN, its attention scores, its logits, the FFN rows of one layer
-    gathered out of the cache (layer_rows_bytes: a chunk of many tokens needs nearly every
-    neuron of a layer at once), and slack."""
+    through attention and the FFN, its attention scores, the logits of its last position (the
+    torch stream keeps only those), the FFN rows of one layer gathered out of the cache
+    (layer_rows_bytes: a chunk of many tokens needs nearly every neuron of a layer at once),
+    and slack."""
     c = getattr(config, "text_config", config)
     rows = chunk * (16 * int(c.hidden_size) + 3 * int(c.intermediate_size)) * 4
     scores = int(c.num_attention_heads) * chunk * int(context) * 4
-    logits = chunk * int(c.vocab_size) * 4
+    logits = int(c.vocab_size) * 4
     return rows + scores + logits + int(layer_rows_bytes) + (32 << 20)
 
 

@@ -142,16 +142,13 @@ class MappedWeights:
         return _as_torch(self.raw(name), self.dtype_of(name))
 
     def detached(self, name: str):
-        """The tensor as a torch view of a mapping of its own bytes only. A view into the
-        shared maps would keep every page the resident copies touched mapped (and counted
-        as used) for as long as it lives; this one holds only the pages its reads touch."""
+        """The tensor as a view of a mapping of its own bytes only (runtime.stored.mapped_tensor):
+        unlike a view into the shared maps, it does not keep every page the resident copies
+        touched mapped (and counted as used) for as long as it lives."""
+        from engine.runtime.stored import mapped_tensor
+
         i, off, dt, shape = self._where[name]
-        dtype = np.dtype(_ST_DTYPES[dt])
-        count = int(np.prod(shape)) if shape else 1
-        start = off - off % mmap.ALLOCATIONGRANULARITY  # mmap offsets are granularity-aligned
-        with open(self.files[i], "rb") as f:
-            m = mmap.mmap(f.fileno(), off - start + count * dtype.itemsize, access=mmap.ACCESS_READ, offset=start)
-        return _as_torch(np.frombuffer(m, dtype=dtype, count=count, offset=off - start).reshape(shape), dt)
+        return mapped_tensor(self.files[i], off, shape, dt)
 
 
 def _as_torch(a: np.ndarray, st_dtype: str):

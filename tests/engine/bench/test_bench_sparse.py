@@ -282,7 +282,7 @@ def test_real_shape_runs_every_engine_under_one_absolute_cap_and_refuses_speedup
                                max_position_embeddings=4096, rope_scaling=None, max_file_bytes=4 << 20)
     monkeypatch.setattr(sparse, "real_spec", lambda layers, quick: spec)
     monkeypatch.setattr(io_mod, "fs_type", lambda _path: "tmpfs")
-    frac = 40.0  # the interpreter and torch alone are ~300 MB: far more than this model
+    frac = 150.0  # the interpreter and torch alone are ~300 MB: far more than this 6 MB model
     lines: list[str] = []
     with caplog.at_level(logging.WARNING, logger="engine.sparse.store"):
         out = sparse.run(_args(["--shape", "llama-3.1-8b", "--cap-fraction", str(frac), "--tokens", "3",
