@@ -1283,12 +1283,19 @@ def save_sharing_policy(policy: dict, config: Path | None = None) -> Path:
 
 
 # ----------------------------------------------------------------------- API server
-def start_api_server(engine: Engine, port: int = 8000, host: str = "127.0.0.1") -> Any:
+def start_api_server(engine: Engine, port: int = 8000, host: str = "127.0.0.1", api_key: str | None = None,
+                     no_auth: bool = False) -> Any:
     """Serve `engine` on an OpenAI-compatible API; returns the started server
-    (.url, .port, .stop()). Blocking until it listens; OSError if the port is taken."""
+    (.url, .port, .stop(), .access: the key it requires and the notice to show).
+    Beyond loopback a key is required (engine.serve.auth). Blocking until it
+    listens; OSError if the port is taken."""
     from engine.serve.api import ApiServer, create_app
+    from engine.serve.auth import decide
 
-    return ApiServer(create_app(engine), host, port).start()
+    access = decide(host, port, api_key, no_auth)
+    server = ApiServer(create_app(engine, api_key=access.api_key), host, port)
+    server.access = access
+    return server.start()
 
 
 def _one_line(e: BaseException) -> str:

@@ -14,10 +14,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this PC only; 0.0.0.0 exposes it to the LAN)")
+                   help="address to bind (default 127.0.0.1: this PC only; 0.0.0.0 exposes it to the LAN, and "
+                        "any address but loopback requires an API key: see --api-key, --no-auth)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=os.environ.get("FLOTILLA_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default: $FLOTILLA_API_KEY, else no key)")
+                   help="require `Authorization: Bearer KEY` (default: $FLOTILLA_API_KEY; else none on loopback, "
+                        "and beyond loopback the key kept in the keys folder, generated on first use)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="serve beyond loopback with no API key (anyone who reaches the address can use it)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -26,11 +30,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be 0..65535 (0 picks a free port), got {args.port}")
-    engine = open_engine_from_args(args)
+    from engine.serve.auth import decide
+
+    access = decide(args.host, args.port, args.api_key, args.no_auth)  # before the model loads: a key
+    engine = open_engine_from_args(args)  # problem shows at once
     try:
-        app = create_app(engine, api_key=args.api_key)
+        app = create_app(engine, api_key=access.api_key)
+        if access.notice:
+            print(access.notice, file=sys.stderr)
         print(f"serving {engine.info.model_id} at http://{args.host}:{args.port}/v1 "
-              f"(OpenAPI spec at /openapi.json)", file=sys.stderr)
+              f"(OpenAPI spec at /openapi.json)", file=sys.stderr, flush=True)
         run_server(app, host=args.host, port=args.port)
     finally:
         engine.close()

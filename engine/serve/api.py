@@ -21,7 +21,8 @@ unknown field).
 
 Every error is OpenAI's JSON `{"error": {"message", "type", "param", "code"}}`:
 400 malformed JSON / invalid values, 401 missing or wrong API key (when one is
-configured), 404 unknown model or URL, 405 wrong method, 429 the engine's queue
+configured; a server bound beyond loopback always has one unless the user chose
+--no-auth: engine/serve/auth.py), 404 unknown model or URL, 405 wrong method, 429 the engine's queue
 is full (with Retry-After: engine/serve/backpressure.py), 503 engine refused
 (closed, broken), 500 anything else (no traceback in the body).
 """
@@ -569,6 +570,7 @@ class ApiServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning") -> None:
         self.app, self.host, self.port = app, host, port
+        self.access = None  # engine.serve.auth.Access of whoever decided the key (client.start_api_server)
         self._config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                       timeout_graceful_shutdown=2, lifespan="off")
         self._server: uvicorn.Server | None = None

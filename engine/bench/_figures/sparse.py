@@ -22,15 +22,20 @@ def _f(path: str, fmt: str = "g") -> str:
 
 
 SPARSE_SETUP = Table("sparse-setup", ("what", "figure", "how"), (
-    Row("benchmark model (random weights)",
+    Row("benchmark checkpoint (random weights, Llama-3.1-8B's shapes: vocab 128256, GQA 32/8)",
         f"{_f('model.layers', 'int')} layers, hidden {_f('model.hidden', 'int')}, FFN {_f('model.neurons', 'int')}, "
-        f"stored as {{{S}:model.dtype}}", Q),
-    Row("FFN bytes; attention + embeddings (resident for every variant)",
+        f"{{{S}:model.dtype}} safetensors shards, {_f('model.checkpoint_bytes', 'mib')}", Q),
+    Row("memory cap of every engine run (ours, on-demand, mmap), from its first byte",
+        f"{_f('cap_bytes', 'mib')}: the checkpoint is {_f('checkpoint_over_cap', 'x')} the cap", Q),
+    Row("FFN bytes; attention + head, resident (the input embedding stays a view of the file)",
         f"{_f('model.ffn_bytes', 'mib')}; {_f('model.non_ffn_resident_bytes', 'mib')}", Q),
-    Row("cap (50 % of the FFN bytes), ours",
-        f"{_f('cap_bytes', 'mib')} = resident gates + ahead predictor {_f('fixed_ffn_side_bytes', 'mib')} "
-        f"+ neuron cache {_f('cache_budget_bytes', 'mib')}", Q),
-    Row("exact-mode bundle (up row + down column)", f"{_f('bundle_bytes_on_disk', 'int')} bytes", Q),
+    Row("ours in the cap (predicted mode): predictors; neuron cache the engine chose (its minimum)",
+        f"{_f('fixed_ffn_side_bytes', 'mib')}; {_f('cache_budget_bytes', 'mib')} "
+        f"({_f('min_cache_budget_bytes', 'mib')}), KV reserved for {_f('context_length', 'int')} tokens", Q),
+    Row("peak memory-group usage (page cache included), ours; mmap",
+        f"{_f('ours_cgroup.max_usage_bytes', 'mib')}; {_f('mmap_cgroup.max_usage_bytes', 'mib')} "
+        f"(OOM kills: {_f('ours_cgroup.oom_kills', 'int')})", Q),
+    Row("predicted-mode bundle (gate row + up row + down column)", f"{_f('bundle_bytes_on_disk', 'int')} bytes", Q),
     Row("reads of ours and on-demand (`io`)", f"requested {{{S}:io.requested}}, in effect {{{S}:io.effective}}", Q),
     Row("disk probe, O_DIRECT random reads of one bundle",
         f"{_f('disk.bundle_read_mb_s_depth_1', 'f0')} MB/s at depth 1, "
@@ -39,18 +44,25 @@ SPARSE_SETUP = Table("sparse-setup", ("what", "figure", "how"), (
         f"{_f('disk.random.3.size', 'int')} bytes at depth {_f('disk.random.3.depth', 'int')}: "
         f"{_f('disk.random.3.mb_s', 'f0')} MB/s; sequential {_f('disk.sequential_mb_s', 'f0')} MB/s; "
         f"coalescing gap chosen: {_f('disk.best_gap_bundles', 'int')} bundles", Q),
-    Row("mmap baseline's cgroup limit (its setup usage + 16 MiB + cap)",
-        f"{_f('mmap_cgroup.cgroup_limit_bytes', 'mib')} (peak usage {_f('mmap_cgroup.max_usage_bytes', 'mib')})", Q),
 ))
+
+SPARSE_QUALITY = Table(
+    "sparse-quality",
+    ("`--sparsities`", "SwiGLU sparsity | top-1 agreement with dense | perplexity change | ours, tok/s | "
+     "ours over mmap", "key in `thresholds`"),  # type: ignore[arg-type]
+    tuple(Row(("lowest", "middle", "highest")[i],
+              f"{{{S}:thresholds.{i}.sparsity}} | {_f(f'thresholds.{i}.top1_agreement', 'f2')} | "
+              f"{_f(f'thresholds.{i}.ppl_change_pct', 'f1')} % | {_f(f'thresholds.{i}.tok_s', 'f2')} | "
+              f"{_f(f'thresholds.{i}.speedup_vs_mmap', 'x')}", f"`{i}`") for i in range(3)))
 
 SPARSE_RESULTS = Table(
     "sparse-results",
     ("variant", "tok/s", "bytes read / token", "I/O wait share of the token", "key in `tok_s` etc."),  # type: ignore[arg-type]
     (
-        Row("ours (exact delta reads + confident prefetch)",
+        Row("ours (predicted delta reads + confident prefetch)",
             f"{_f('tok_s.ours', 'f2')} | {_f('bytes_read_per_token.ours', 'mib')} "
             f"({_f('reads_per_token_ours', 'int')} reads) | {_f('io_share_of_latency.ours', 'f2')}", "`ours`"),
-        Row("on-demand (no prefetch, same cache)",
+        Row("on-demand (no prefetch, same cap)",
             f"{_f('tok_s.on_demand', 'f2')} | {_f('bytes_read_per_token.on_demand', 'mib')} | "
             f"{_f('io_share_of_latency.on_demand', 'f2')}", "`on_demand`"),
         Row("dense through mmap, cgroup cap",
@@ -63,7 +75,10 @@ SPARSE_RESULTS = Table(
     ))
 
 SPARSE_HEADLINE = Table("sparse-headline", ("what", "figure", "how"), (
-    Row("ours over dense mmap under the cap (tok/s ratio)",
+    Row("ours over dense mmap at equal quality: the highest threshold whose top-1 agreement is >= 0.9",
+        f"{_f('equal_quality.speedup_vs_mmap', 'x')} at sparsity {{{S}:equal_quality.sparsity}} "
+        f"(agreement {_f('equal_quality.top1_agreement', 'f2')}; I/O: {{{S}:io.effective}})", Q),
+    Row("ours over dense mmap at sparsity 0.8 (approximate output: agreement in the quality table)",
         f"{_f('speedup_vs_mmap', 'x')} (goal {_f('goal_speedup_vs_mmap', 'x')}, met: {{{S}:goal_met}}; "
         f"I/O: {{{S}:io.effective}})", Q),
     Row("ours over on-demand (tok/s ratio)",
@@ -98,8 +113,11 @@ SPARSE_LOCALITY = Table("sparse-locality", ("what", "figure", "how"), (
 # Modelled: formulas over measured parts (engine/bench/sparse.py, `bound`).
 SPARSE_BOUND = Table("sparse-bound", ("what", "modelled figure", "model"), (
     Row("ours' I/O lower bound per token",
-        f"{_f('bound.ours_io_lower_bound_ms', 'f0')} ms",
-        "ours' bytes per token ÷ the probe's best random-read rate for a bundle"),
+        f"{_f('bound.ours_io_lower_bound_ms', 'f0')} ms (at {_f('bound.disk_mb_s_used', 'f0')} MB/s; the probe "
+        f"gave {_f('bound.disk_mb_s_probe', 'f0')} MB/s for one bundle, our coalesced reads reached "
+        f"{_f('bound.disk_mb_s_achieved', 'f0')} MB/s)",
+        "ours' bytes per token ÷ the better of the probe's best random-read rate for a bundle and the rate "
+        "our reads reached"),
     Row("most ours can gain over mmap, I/O fully hidden",
         f"{_f('bound.max_speedup_if_io_fully_hidden', 'x')} "
         f"(mmap {_f('bound.mmap_ms_per_token', 'f0')} ms ÷ max(I/O bound, compute floor "
@@ -111,4 +129,4 @@ SPARSE_BOUND = Table("sparse-bound", ("what", "modelled figure", "model"), (
 ))
 
 FILE = REPO_ROOT / "docs" / "sparse.md"
-TABLES = (SPARSE_SETUP, SPARSE_RESULTS, SPARSE_HEADLINE, SPARSE_LOCALITY, SPARSE_BOUND)
+TABLES = (SPARSE_SETUP, SPARSE_QUALITY, SPARSE_RESULTS, SPARSE_HEADLINE, SPARSE_LOCALITY, SPARSE_BOUND)
