@@ -102,7 +102,8 @@ SPARSE_LOCALITY = Table("sparse-locality", ("what", "figure", "how"), (
         f"{_f('overlap_jaccard.calibration_text_mean', 'f2')} (layers {_f('overlap_jaccard.per_layer.0', 'f2')}, "
         f"{_f('overlap_jaccard.per_layer.1', 'f2')}); two independent sets of the same density: "
         f"{_f('overlap_jaccard.independent_sets_same_density', 'f2')}", Q + " (CATS, sparsity 0.8)"),
-    Row("the same, measured while decoding", _f("overlap_jaccard.decode_runtime_mean", "f2"), Q),
+    Row("the same, of the sets ours read while decoding (predicted mode: the predictor's sets, which overshoot)",
+        _f("overlap_jaccard.decode_runtime_mean", "f2"), Q),
     Row("low-rank predictors, recall / precision",
         f"own {_f('predictor.own_recall', 'f2')} / {_f('predictor.own_precision', 'f2')}, "
         f"ahead {_f('predictor.ahead_recall', 'f2')} / {_f('predictor.ahead_precision', 'f2')}", Q),
