@@ -99,6 +99,8 @@ class MoEEngine(Engine):
         self.model_id = model_id
         self.config = config
         self.logits_hook = logits_hook  # tests: sees every logits vector handed to sampling
+        # torch's thread count is the process's: taken while the engine runs, given back on close
+        self._threads_before = torch.get_num_threads()
         torch.set_num_threads(config.torch_threads or max(1, (os.cpu_count() or 2) - 1))
         if config.kv_precision not in KV_DTYPES:
             raise EngineError(f"kv_precision must be one of {', '.join(KV_DTYPES)}, not {config.kv_precision!r}")
@@ -130,6 +132,7 @@ class MoEEngine(Engine):
             self.tokenizer = AutoTokenizer.from_pretrained(store_dir)
         except BaseException:
             self.store.close()
+            torch.set_num_threads(self._threads_before)
             raise
         self.eos_ids = eos_token_ids(Path(store_dir), self.tokenizer)
         self.fetcher = Fetcher(self.store, self.cache, config.fetch_threads)
@@ -189,6 +192,7 @@ class MoEEngine(Engine):
         self.fetcher.close()
         self.cache.close()
         self.store.close()
+        torch.set_num_threads(self._threads_before)
 
     # -- the scheduler thread ------------------------------------------------------------------
     def _run(self) -> None:

@@ -158,6 +158,17 @@ def test_int8_store_halves_the_expert_bytes_and_stays_close(bf16_model):
     assert rel <= 0.05, rel
 
 
+def test_the_engine_gives_torch_threads_back_when_it_closes(bf16_model):
+    # torch's thread count is process-wide: an in-process engine (the app, the tests) that left it
+    # at its own choice changed the numerics of everything that ran after it
+    _, store_dir = bf16_model("qwen3_moe")
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    with MoEEngine(store_dir, "t", MoEConfig(torch_threads=want, max_concurrent=1, context_length=32)):
+        assert torch.get_num_threads() == want
+    assert torch.get_num_threads() == before
+
+
 def test_kv_reserve_is_fixed_up_front_and_a_long_prompt_is_refused(bf16_model):
     _, store_dir = bf16_model("qwen3_moe")
     cfg = MoEConfig(torch_threads=1, max_concurrent=2, context_length=48, fetch_threads=1)
