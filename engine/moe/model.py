@@ -401,12 +401,13 @@ def _load_resident(model, path: Path, config) -> None:
         for mname, module in list(model.named_modules()):
             if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
                 continue
+            name = f"{mname}.weight"
+            if name not in names:
+                continue  # a tied head: set below
+            used.add(name)
             # an untied input embedding is read a row per token: a view of the file, not a copy
             mapped = isinstance(module, torch.nn.Embedding) and not getattr(config, "tie_word_embeddings", False)
-            weight = (f.mapped if mapped else f.get)(f"{mname}.weight") if f"{mname}.weight" in names else None
-            if weight is None:
-                continue  # a tied head: set below
-            used.add(f"{mname}.weight")
+            weight = f.mapped(name) if mapped else f.get(name)
             scale = take(f"{mname}.weight{SCALE_SUFFIX}")
             if isinstance(module, torch.nn.Embedding):
                 new = StoredEmbedding(weight, scale, mapped=mapped)

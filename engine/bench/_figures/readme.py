@@ -49,7 +49,7 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
     Row("MoE offloading, Qwen3-30B-A3B layer shapes in bf16, every engine under a memory cap of half the "
         "checkpoint, 16 requests (every scheduler computes the same, exact output)",
         "Bevy {moe-quick:speedup_vs_on_demand|x} over on-demand, {moe-quick:speedup_vs_prefetch|x} over prefetch "
-        "(I/O: {moe-quick:io.effective}; the modelled overlap bound is in docs/moe.md)", Q.format("moe")),
+        "(I/O: {moe-quick:io.effective})", Q.format("moe")),
     Row("sparse FFN, Llama-3.1-8B layer shapes (12 layers, bf16), every engine under a memory cap of half the "
         "checkpoint, predicted mode (random weights: any threshold above 0 changes the output, docs/sparse.md)",
         "{sparse-quick:equal_quality.speedup_vs_mmap|x} of mmap's speed at equal quality (threshold "
