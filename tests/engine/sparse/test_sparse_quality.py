@@ -15,6 +15,7 @@ computations of the same thing agreeing.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -25,10 +26,16 @@ from engine.models.demo import CORPUS_PATH
 from engine.sparse import quality
 from engine.sparse.calibrate import CalibConfig, ensure_calibration
 from engine.sparse.engine import SparseBackend, SparseConfig
-from engine.sparse.weights import ffn_layout
+from engine.sparse.weights import ffn_layout, mixed_linear
 
 SPARSITY = 0.5  # the demo calibration test_sparse_engine.py uses too (built once, cached)
 BUDGET = 600_000  # bytes: well below the demo's FFN, so bundles are evicted and read again
+# The engine's decode (one token at a time, KV cache, gathered rows) and the simulation
+# (whole sequence, full matrices) round differently: measured on this demo, the values a
+# keep decision looks at (|act(g)|, the predictor's score) differ by up to 3.4e-6. A value
+# that close to its cutoff falls either way, so the comparison runs with cutoffs placed
+# in gaps of the sequence's values at least this far from every value:
+MARGIN = 2e-5
 
 
 @pytest.fixture(scope="module")
@@ -113,16 +120,60 @@ def _simulated(path, calib, mode, seqs) -> torch.Tensor:
     return quality.held_out_logits(model, seqs)
 
 
+def _gap_middle(values: torch.Tensor, cutoff: float, near: int = 256) -> tuple[float, float]:
+    """(the middle of the widest gap among the `near` values either side of cutoff, half its width)."""
+    v = torch.sort(values.flatten()).values
+    i = int(torch.searchsorted(v, torch.tensor(float(cutoff))))
+    w = v[max(i - near, 0): i + near]
+    gaps = w[1:] - w[:-1]
+    j = int(torch.argmax(gaps))
+    return float(w[j] + w[j + 1]) / 2, float(gaps[j]) / 2
+
+
+def _cutoffs_in_gaps(path, calib, mode, seq):
+    """A copy of calib whose cutoffs (tau, and in predicted mode the own predictor's) each sit
+    in the middle of a gap of the values that decision sees on seq, a hair from the calibrated
+    one; and the smallest half-gap. Layer by layer: layer l's inputs depend on layers < l only."""
+    c = copy.deepcopy(calib)
+    model = _dense(path)
+    act = quality.activation(ffn_layout(path).act)
+    mlps = _mlps(model)
+    margin = math.inf
+    for l in range(len(mlps)):
+        for m, mlp in enumerate(mlps):
+            mlp.forward = quality._restricted_forward(mlp, act, c.thresholds[m], c.own[m], mode)
+        seen = {}
+        hook = mlps[l].register_forward_pre_hook(lambda _m, args: seen.setdefault("x", args[0][0]))
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([seq]))
+            hook.remove()
+            x = seen["x"]  # [T, h]
+            c.thresholds[l], half = _gap_middle(act(mixed_linear(x, mlps[l].gate_proj.weight)).abs(), c.thresholds[l])
+            margin = min(margin, half)
+            if mode == "predicted" and c.own[l] is not None:
+                cut, half = _gap_middle(c.own[l](x), float(c.own[l].cutoff))
+                c.own[l].cutoff.fill_(cut)
+                margin = min(margin, half)
+    return c, margin
+
+
 # --------------------------------------------------------------------------- 1. simulation == engine
 @pytest.mark.parametrize("mode", ["exact", "predicted"])
 def test_the_simulation_is_what_the_engine_computes(demo, calib, tokenizer, mode):
     seq = _held_out(tokenizer)[0][:48]
+    calib, margin = _cutoffs_in_gaps(demo, calib, mode, seq)
+    assert margin >= MARGIN, f"no cutoff gap of {MARGIN} on this sequence (widest found: {margin})"
     sim = _simulated(demo, calib, mode, [seq])  # [47, V]
     dense = _logits(_dense(demo), [seq])
     assert not torch.allclose(sim, dense, atol=1e-2)  # the restriction really removes neurons
 
     be = SparseBackend(demo, SparseConfig(mode=mode, sparsity=SPARSITY, cache_budget_bytes=BUDGET))
     try:
+        assert be.rt.calib is be.calib  # the runtime reads this calibration at every call
+        be.calib.thresholds[:] = calib.thresholds
+        for own, moved in zip(be.calib.own, calib.own):
+            if own is not None:  # None in exact mode: the engine does not use the predictors there
+                own.cutoff.copy_(moved.cutoff)
         assert be.rt.cache.capacity < be.layout.num_layers * be.layout.neurons  # not everything fits
         # prefill path: the whole sequence at once
         with torch.inference_mode():
