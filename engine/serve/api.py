@@ -12,12 +12,10 @@ top_k, repetition_penalty and speculative ({"mode": "draft"|"lookup"|"off",
 engine's default; docs/speculative.md). Without max_tokens the engine's default
 (SamplingParams.max_tokens) applies. Message roles: system, user, assistant;
 "developer" is read as "system"; content is a string or a list of text parts.
-Fields that are accepted and ignored: frequency_penalty, presence_penalty,
-logit_bias, logprobs, top_logprobs, user, tools, tool_choice,
-parallel_tool_calls, response_format, service_tier, store, metadata,
-modalities, reasoning_effort, prediction, audio, web_search_options,
-message `name`, and for /v1/completions echo, suffix and best_of (and any other
-unknown field).
+Any other field is a 400 naming it (code "unsupported_parameter"), unless it
+holds the value that asks for nothing (tools [], tool_choice "none", logprobs
+false, response_format {"type": "text"}, frequency/presence_penalty 0, ...) or
+is bookkeeping that leaves the answer alone (user, metadata): engine/serve/fields.py.
 
 Every error is OpenAI's JSON `{"error": {"message", "type", "param", "code"}}`:
 400 malformed JSON / invalid values, 401 missing or wrong API key (when one is
@@ -53,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.protocol.errors import ProtocolError
 from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams, SpeculativeParams, TokenEvent
+from engine.serve import fields
 from engine.serve.backpressure import retry_after_header
 from engine.serve.interface import Engine, EngineError, EngineOverloaded
 
@@ -85,7 +84,8 @@ def _error_response(e: ApiError, headers: Mapping[str, str] | None = None) -> JS
 
 # -- request schemas (what the OpenAI clients send) -----------------------------------
 class _Lenient(BaseModel):
-    # extra="allow": unknown OpenAI fields are accepted and ignored (module doc);
+    # extra="allow": undeclared fields are kept in model_extra, where fields.py decides
+    # which of them are refused (most) or harmless at their value (module doc);
     # strict: a wrong JSON type ("0.5" for a number, 1.0 for an integer) is a 400.
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -268,6 +268,22 @@ def _chat_message(m: ChatMessageIn) -> ChatMessage:
             raise ApiError(400, "only text content parts are supported", param="messages")
         content = "".join(p.text or "" for p in m.content)
     return ChatMessage(role=role, content=content)
+
+
+def _refuse_unsupported(body: _Sampling) -> None:
+    """A 400 naming the first field the engines would have to ignore (engine/serve/fields.py)."""
+    chat = isinstance(body, ChatCompletionRequest)
+    found = fields.refusal(body.model_extra, fields.CHAT_NEUTRAL if chat else fields.COMPLETION_NEUTRAL)
+    if found is None and body.stream_options is not None:
+        found = fields.refusal(body.stream_options.model_extra, fields.STREAM_OPTIONS_NEUTRAL, "stream_options.")
+    for i, m in enumerate(body.messages if chat else ()):
+        if found is not None:
+            break
+        found = fields.refusal(m.model_extra, fields.MESSAGE_NEUTRAL, f"messages[{i}].")
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            found = found or fields.refusal(part.model_extra, {}, f"messages[{i}].content[{j}].")
+    if found is not None:
+        raise ApiError(400, found.message, param=found.param, code=found.code)
 
 
 def _build(request_id: str, body: _Sampling) -> GenerateRequest:
@@ -462,6 +478,7 @@ def _cancel(engine: Engine, request_id: str) -> None:
 
 async def _generate(body: _Sampling, request: Request, engine: Engine, chat: bool) -> Any:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    _refuse_unsupported(body)
     req = _build(rid, body)
     _submit(engine, req)
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -182,7 +182,7 @@ def test_parameter_mapping(served, client):
         model="scripted", messages=[{"role": "developer", "content": "be brief"},
                                     {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         max_completion_tokens=3, max_tokens=9, temperature=0.7, top_p=0.9, seed=5, stop="END",
-        extra_body={"top_k": 4, "repetition_penalty": 1.1, "frequency_penalty": 0.5, "user": "u"})
+        extra_body={"top_k": 4, "repetition_penalty": 1.1, "frequency_penalty": 0, "user": "u"})
     req = engine.seen[-1]
     assert req.request_id.startswith("chatcmpl-")
     assert [(m.role, m.content) for m in req.messages] == [("system", "be brief"), ("user", "hi")]
@@ -214,6 +214,56 @@ def test_invalid_chat_bodies_are_400(served, body, param):
     err = _is_openai_error(httpx.post(f"{server.url}/v1/chat/completions", json=body), 400)
     assert err["type"] == "invalid_request_error"
     assert err["param"] == param or param in err["message"], err
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("url,extra,param,code", [
+    ("chat", {"tools": [TOOL]}, "tools", "unsupported_value"),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "unsupported_value"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
+    ("chat", {"logprobs": True}, "logprobs", "unsupported_value"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "unsupported_value"),
+    ("chat", {"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_value"),
+    ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
+    ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_value"),
+    ("chat", {"temprature": 0.1}, "temprature", "unsupported_parameter"),  # a typo is not ignored either
+    ("chat", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0].name",
+     "unsupported_parameter"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].image_url", "unsupported_parameter"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True, "every": 2}}, "stream_options.every",
+     "unsupported_parameter"),
+    ("completions", {"echo": True}, "echo", "unsupported_value"),
+    ("completions", {"best_of": 2}, "best_of", "unsupported_value"),
+    ("completions", {"logprobs": 0}, "logprobs", "unsupported_value"),  # 0 still asks for the chosen token's
+])
+def test_a_field_the_engines_would_ignore_is_400_naming_it(served, url, extra, param, code):
+    server, engine = served
+    body = {"model": "scripted", **({"messages": HI} if url == "chat" else {"prompt": "hi"}), **extra}
+    seen = len(engine.seen)
+    err = _is_openai_error(httpx.post(f"{server.url}/v1/{'chat/completions' if url == 'chat' else url}",
+                                      json=body), 400)
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
+    assert param in err["message"] and "\n" not in err["message"]
+    assert len(engine.seen) == seen  # refused before it reached the engine
+
+
+def test_fields_at_the_value_that_asks_for_nothing_are_taken(served, client):
+    _, engine = served
+    out = client.chat.completions.create(
+        model="scripted", messages=HI, max_tokens=2, tools=[], tool_choice="none", logprobs=False,
+        response_format={"type": "text"}, frequency_penalty=0, presence_penalty=0.0, user="u",
+        metadata={"k": "v"}, store=False, parallel_tool_calls=False)
+    assert out.choices[0].finish_reason == "length" and engine.seen[-1].sampling.max_tokens == 2
+
+
+def test_the_openai_client_sees_which_field_was_refused(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="scripted", messages=HI, tools=[TOOL], tool_choice="auto")
+    assert e.value.status_code == 400 and e.value.body["param"] == "tool_choice"  # first in name order
 
 
 @pytest.mark.parametrize("content,ctype", [

@@ -1,0 +1,126 @@
+"""Which OpenAI request fields the API takes without acting on them, and which it refuses.
+
+A field the engines do not implement is a 400 naming it (code "unsupported_parameter"),
+never silently dropped: an app that asks for tool calls, a JSON schema or logprobs and
+gets prose back breaks in ways its user cannot see. The one exception is a field set to
+the value that asks for nothing (tools=[], logprobs=false, response_format text,
+frequency_penalty 0, ...), which clients send by default, and bookkeeping that does
+not change the answer (user, metadata).
+
+Pure: a dict of extra fields in, the first refusal (or None) out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+UNSUPPORTED = "unsupported_parameter"  # the field is not implemented at all
+UNSUPPORTED_VALUE = "unsupported_value"  # the field is known; only its neutral value is implemented
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+def _zero(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+
+
+def _false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == [] or v == {}
+
+
+def _anything(_v: Any) -> bool:
+    return True
+
+
+def _one_of(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or v in values
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or v == {"type": "text"}
+
+
+def _text_modalities(v: Any) -> bool:
+    return v is None or v == ["text"]
+
+
+# field -> "this value asks for nothing we do not do"
+_COMMON: dict[str, Callable[[Any], bool]] = {
+    "frequency_penalty": _zero,
+    "presence_penalty": _zero,
+    "logit_bias": _empty,
+    "user": _anything,  # an end-user id for abuse tracking: it does not change the answer
+    "metadata": _anything,  # tags for stored completions: the answer is the same
+    "store": _false,
+    "service_tier": _one_of("auto", "default"),
+}
+
+CHAT_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    **_COMMON,
+    "logprobs": _false,
+    "top_logprobs": _zero,
+    "tools": _empty,
+    "tool_choice": _one_of("none"),
+    "parallel_tool_calls": _anything,  # meaningless without tools, which are refused
+    "functions": _empty,
+    "function_call": _one_of("none"),
+    "response_format": _text_format,
+    "modalities": _text_modalities,
+    "reasoning_effort": _absent,
+    "prediction": _absent,
+    "audio": _absent,
+    "web_search_options": _absent,
+}
+
+COMPLETION_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    **_COMMON,
+    "logprobs": _absent,  # an integer here; 0 still asks for the chosen token's logprob
+    "echo": _false,
+    "suffix": _one_of(""),
+    "best_of": _one_of(1),
+}
+
+# assistant message fields a client echoes back from an earlier answer
+MESSAGE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "refusal": _absent,
+    "tool_calls": _empty,
+    "function_call": _absent,
+    "audio": _absent,
+    "annotations": _empty,
+}
+
+STREAM_OPTIONS_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "include_obfuscation": _anything,  # padding of chunks against side channels: plain chunks are fine
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    param: str  # the field's path, e.g. "tools" or "messages[2].name"
+    code: str  # UNSUPPORTED or UNSUPPORTED_VALUE
+
+    @property
+    def message(self) -> str:
+        if self.code == UNSUPPORTED_VALUE:
+            return f"'{self.param}' is not supported with this value by Flotilla's API (leave it out)"
+        return f"'{self.param}' is not a parameter Flotilla's API supports (leave it out)"
+
+
+def refusal(extra: Mapping[str, Any] | None, neutral: Mapping[str, Callable[[Any], bool]],
+            prefix: str = "") -> Refusal | None:
+    """The first field of `extra` (the fields the schema does not declare) we would have to ignore."""
+    for name in sorted(extra or {}):
+        ok = neutral.get(name)
+        if ok is None:
+            return Refusal(prefix + name, UNSUPPORTED)
+        if not ok(extra[name]):
+            return Refusal(prefix + name, UNSUPPORTED_VALUE)
+    return None
