@@ -59,7 +59,7 @@ from engine.protocol.pipeline import (
 )
 from engine.runtime.chat import chat_ids, prompt_ids
 from engine.runtime.detokenize import eos_token_ids
-from engine.runtime.generation import Generation, finished
+from engine.runtime.generation import Generation, accept, finished
 from engine.serve.interface import Engine, EngineError, EngineInfo
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class _Flight:
 
     gen: Generation  # sampler, detokenizer, output ids, timings
     stream_id: str  # unique for the engine's life (request ids may be reused)
-    sample: bool  # needs the logits row (temperature > 0 or a repetition penalty)
+    sample: bool  # needs the logits row (temperature > 0, a repetition penalty, logprobs)
     seq: int = 0  # the next step number
     past: int = 0  # tokens in its KV state on every stage
     in_flight: int = 0  # tokens of the step now in the ring; 0 = none
@@ -426,7 +426,7 @@ class PipelineEngine(Engine):
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
                                   usage=Usage(0, 0)))
             return None
-        return _Flight(gen, f"s{next(self._ids)}", sample=s.temperature > 0 or s.repetition_penalty != 1.0,
+        return _Flight(gen, f"s{next(self._ids)}", sample=s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None,
                        spec=spec)
 
     def _send_step(self, f: _Flight) -> None:
@@ -495,21 +495,15 @@ class PipelineEngine(Engine):
         gen.pending = None
         try:
             token = self._pick(f, msg, tensors)
+            event = accept(gen, token, tensors[0] if f.sample else None)
         except ValueError as e:
             self._end(active, f, finished(gen, "error", error=str(e)))
             return
         self.stats.tokens += 1
-        if gen.t_first is None:
-            gen.t_first = time.perf_counter()
-        gen.output_ids.append(token)
-        delta = gen.detok.push(token)
-        if delta.stopped:
-            self._end(active, f, finished(gen, "stop", delta.text, (token,)))
-        elif len(gen.output_ids) >= gen.max_new:
-            self._end(active, f, finished(gen, "length", delta.text + gen.detok.finish(), (token,)))
+        if event.final:
+            self._end(active, f, event)
         else:
-            gen.pending = token
-            self._emit(TokenEvent(gen.request_id, text=delta.text, token_ids=(token,)))
+            self._emit(event)
 
     def _on_spec_result(self, active: dict[str, _Flight], f: _Flight, msg: StageResult,
                         tensors: list[np.ndarray], n: int) -> None:

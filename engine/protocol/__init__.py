@@ -34,6 +34,7 @@ from engine.protocol.messages import (
     SamplingParams,
     Timings,
     TokenEvent,
+    TokenLogprob,
     Usage,
 )
 from engine.protocol.version import PROTOCOL_VERSION
@@ -62,6 +63,7 @@ __all__ = [
     "TensorSpec",
     "Timings",
     "TokenEvent",
+    "TokenLogprob",
     "Usage",
     "decode",
     "decode_frames",

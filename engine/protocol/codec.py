@@ -318,7 +318,7 @@ def _keys(keys: Any) -> str:
 # ---------------------------------------------------------------- built-ins
 
 for _cls in (_messages.ChatMessage, _messages.SamplingParams, _messages.GenerateRequest,
-             _messages.Usage, _messages.Timings, _messages.TokenEvent, _messages.ErrorReply,
+             _messages.Usage, _messages.Timings, _messages.TokenLogprob, _messages.TokenEvent, _messages.ErrorReply,
              _messages.Refusal):
     register(_cls)
 del _cls

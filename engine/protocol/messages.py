@@ -30,6 +30,8 @@ MAX_COUNT = 2**63 - 1  # counters fit a signed 64-bit int on the wire
 MAX_ERROR_CHARS = 1_000  # an error reason is one line, not a traceback
 SPECULATIVE_MODES = ("off", "draft", "lookup")  # speculative decoding: none, a draft model, prompt lookup
 MAX_SPEC_K = 16  # drafted tokens per speculative step at most
+MAX_TOP_LOGPROBS = 20  # alternatives per position with logprobs (OpenAI's limit)
+MAX_TOKEN_CHARS = 256  # one token's text
 
 
 def _is_request_id(v: object) -> bool:
@@ -62,6 +64,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # generation ends before any of these strings
     ignore_eos: bool = False  # go on past end-of-sequence tokens until max_tokens or a stop string
     #                           (benchmarks and tests: an answer's length must not depend on the weights)
+    logprobs: int | None = None  # None: none; n: each new token's logprob and the n likeliest alternatives
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_NEW_TOKENS,
@@ -80,6 +83,8 @@ class SamplingParams:
                  f"stop must be at most {MAX_STOP_STRINGS} non-empty strings "
                  f"of at most {MAX_STOP_CHARS} characters")
         _require(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+                 f"logprobs must be nil or an integer in 0..{MAX_TOP_LOGPROBS}")
         for name in ("temperature", "top_p", "repetition_penalty"):
             _set_float(self, name)
 
@@ -133,6 +138,14 @@ class GenerateRequest:
         _require(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
         _require(self.speculative is None or isinstance(self.speculative, SpeculativeParams),
                  "speculative must be SpeculativeParams or nil")
+        if self.sampling.logprobs is not None:
+            # a logprob is read from the logits row the token was picked from; a speculative
+            # step accepts several tokens from one verify pass and keeps no such rows (yet).
+            # So such a request does not speculate: the engine's default becomes "off".
+            _require(self.speculative is None or self.speculative.mode == "off",
+                     "speculative decoding and logprobs do not go together; ask for one of them")
+            if self.speculative is None:
+                object.__setattr__(self, "speculative", SpeculativeParams(mode="off"))
 
 
 @dataclass(frozen=True)
@@ -168,6 +181,35 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model's next-token distribution
+    (the raw logits' log-softmax: before temperature, top-k/top-p and penalties), and the
+    likeliest tokens at that position, best first."""
+
+    KIND: ClassVar[str] = "token_logprob"
+    token_id: int
+    text: str  # the token alone, decoded (a piece of a multi-byte character shows as U+FFFD)
+    logprob: float  # natural log, <= 0
+    top_ids: tuple[int, ...] = ()
+    top_texts: tuple[str, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.token_id) and 0 <= self.token_id <= MAX_TOKEN_ID, "bad token_id")
+        _require(_is_text(self.text, MAX_TOKEN_CHARS), "bad token text")
+        _require(_is_num(self.logprob) and self.logprob <= 0.0, "logprob must be a number <= 0")
+        n = len(self.top_ids)
+        _require(isinstance(self.top_ids, tuple) and n <= MAX_TOP_LOGPROBS
+                 and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.top_ids), "bad top_ids")
+        _require(isinstance(self.top_texts, tuple) and len(self.top_texts) == n
+                 and all(_is_text(t, MAX_TOKEN_CHARS) for t in self.top_texts), "bad top_texts")
+        _require(isinstance(self.top_logprobs, tuple) and len(self.top_logprobs) == n
+                 and all(_is_num(v) and v <= 0.0 for v in self.top_logprobs), "bad top_logprobs")
+        _set_float(self, "logprob")
+        object.__setattr__(self, "top_logprobs", tuple(float(v) for v in self.top_logprobs))
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """A piece of a streamed answer. The last event of a request has
     finish_reason set, with usage and timings; earlier ones have neither."""
@@ -181,6 +223,7 @@ class TokenEvent:
     usage: Usage | None = None  # on the final event
     timings: Timings | None = None  # on the final event
     error: str | None = None  # one-line reason when finish_reason == "error"
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry when the request asked for them
 
     def __post_init__(self) -> None:
         _require(_is_request_id(self.request_id), "bad request_id")
@@ -201,6 +244,9 @@ class TokenEvent:
         _require(self.timings is None or isinstance(self.timings, Timings), "bad timings")
         _require(self.finish_reason is not None or (self.usage is None and self.timings is None),
                  "usage and timings belong to the final event only")
+        _require(isinstance(self.logprobs, tuple) and all(isinstance(t, TokenLogprob) for t in self.logprobs)
+                 and (not self.logprobs or [t.token_id for t in self.logprobs] == list(self.token_ids)),
+                 "logprobs must be empty or one TokenLogprob per token id, in order")
 
     @property
     def final(self) -> bool:

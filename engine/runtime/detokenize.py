@@ -84,6 +84,11 @@ class Detokenizer:
         self.sent = 0  # characters of self.text already shown
         self.done = False
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (for logprobs): special tokens keep their text here."""
+        return self.decoder.tok.decode([int(token_id)], skip_special_tokens=False,
+                                       clean_up_tokenization_spaces=False)
+
     def push(self, token_id: int) -> Delta:
         if self.done:
             raise RuntimeError("the answer already ended")

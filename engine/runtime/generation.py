@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.protocol.messages import GenerateRequest, Timings, TokenEvent, Usage
+from engine.protocol.messages import GenerateRequest, Timings, TokenEvent, TokenLogprob, Usage
 from engine.runtime.backend import ModelStream
 from engine.runtime.detokenize import Detokenizer
-from engine.runtime.sampling import Sampler, SamplerConfig
+from engine.runtime.sampling import Sampler, SamplerConfig, token_logprob
 
 
 @dataclass
@@ -81,18 +81,28 @@ def decode_one(gen: Generation) -> TokenEvent:
     if gen.pending is not None:
         gen.logits = gen.stream.decode(gen.pending)
         gen.pending = None
-    token = gen.sampler.sample(gen.logits)
-    gen.logits = None
+    logits, gen.logits = gen.logits, None
+    return accept(gen, gen.sampler.sample(logits), logits)
+
+
+def accept(gen: Generation, token: int, logits: np.ndarray | None = None) -> TokenEvent:
+    """Take a picked token into the answer: its text, a stop string or the length limit
+    ending it, its logprob when asked for (from the logits row it was picked from).
+    The one copy of this step; every engine's decode loop ends in it."""
+    n = gen.request.sampling.logprobs
+    if n is not None and logits is None:
+        raise ValueError("logprobs were asked for but the token came without its logits row")
+    lp = (token_logprob(logits, token, n, gen.detok.token_text),) if n is not None else ()
     if gen.t_first is None:
         gen.t_first = time.perf_counter()
     gen.output_ids.append(token)
     delta = gen.detok.push(token)
     if delta.stopped:
-        return finished(gen, "stop", delta.text, (token,))
+        return finished(gen, "stop", delta.text, (token,), logprobs=lp)
     if len(gen.output_ids) >= gen.max_new:
-        return finished(gen, "length", delta.text + gen.detok.finish(), (token,))
+        return finished(gen, "length", delta.text + gen.detok.finish(), (token,), logprobs=lp)
     gen.pending = token
-    return TokenEvent(gen.request_id, text=delta.text, token_ids=(token,))
+    return TokenEvent(gen.request_id, text=delta.text, token_ids=(token,), logprobs=lp)
 
 
 def step(gen: Generation) -> TokenEvent | None:
@@ -115,14 +125,14 @@ def decode_n(gen: Generation, n: int | None = None) -> list[TokenEvent]:
 
 
 def finished(gen: Generation, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
-             error: str | None = None) -> TokenEvent:
+             error: str | None = None, logprobs: tuple[TokenLogprob, ...] = ()) -> TokenEvent:
     """The final event of a request (usage and timings included)."""
     gen.finish_reason = reason
     if reason in ("cancelled", "error") and not gen.detok.done:
         text += gen.detok.finish() if reason == "cancelled" else ""
     return TokenEvent(gen.request_id, text=text, token_ids=token_ids, finish_reason=reason,
                       usage=Usage(len(gen.prompt_ids), len(gen.output_ids)),
-                      timings=timings(gen), error=error)
+                      timings=timings(gen), error=error, logprobs=logprobs)
 
 
 def timings(gen: Generation, now: float | None = None) -> Timings:

@@ -9,11 +9,12 @@ so a seeded request draws the same tokens on every run whatever else runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from engine.protocol.messages import SamplingParams
+from engine.protocol.messages import MAX_TOKEN_CHARS, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,24 @@ def draw(logits: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probs)
     u = rng.random() * cdf[-1]
     return int(min(np.searchsorted(cdf, u, side="right"), probs.shape[0] - 1))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - np.max(x)
+    return x - np.log(np.exp(x).sum())
+
+
+def token_logprob(logits: np.ndarray, token: int, n: int, text_of: Callable[[int], str]) -> TokenLogprob:
+    """The picked token's logprob under the raw logits [vocab] (what the model says, before
+    temperature, top-k/top-p and penalties reshape it for the draw) and the n likeliest tokens."""
+    lp = log_softmax(logits)
+    top = np.argsort(-lp, kind="stable")[:n] if n else np.zeros(0, dtype=np.int64)
+    return TokenLogprob(token_id=int(token), text=text_of(int(token))[:MAX_TOKEN_CHARS],
+                        logprob=min(float(lp[token]), 0.0),
+                        top_ids=tuple(int(t) for t in top),
+                        top_texts=tuple(text_of(int(t))[:MAX_TOKEN_CHARS] for t in top),
+                        top_logprobs=tuple(min(float(lp[t]), 0.0) for t in top))
 
 
 class Sampler:

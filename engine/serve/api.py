@@ -6,15 +6,18 @@ POST /v1/completions. `stream: true` answers with Server-Sent Events
 
 Request fields used: model, messages / prompt, max_tokens, max_completion_tokens
 (wins over max_tokens), temperature (0..2), top_p, seed, stop (a string or a
-list), n (must be 1), stream, stream_options.include_usage, and the extensions
+list), n (must be 1), stream, stream_options.include_usage, logprobs and
+top_logprobs (chat; an integer logprobs on /v1/completions: each answer token's
+logprob under the model's raw distribution and the likeliest alternatives; such a
+request does not speculate: engine/serve/logprobs.py), and the extensions
 top_k, repetition_penalty and speculative ({"mode": "draft"|"lookup"|"off",
 "k": 1..16, "adaptive": bool}, or just the mode as a string; absent = the
 engine's default; docs/speculative.md). Without max_tokens the engine's default
 (SamplingParams.max_tokens) applies. Message roles: system, user, assistant;
 "developer" is read as "system"; content is a string or a list of text parts.
 Any other field is a 400 naming it (code "unsupported_parameter"), unless it
-holds the value that asks for nothing (tools [], tool_choice "none", logprobs
-false, response_format {"type": "text"}, frequency/presence_penalty 0, ...) or
+holds the value that asks for nothing (tools [], tool_choice "none",
+response_format {"type": "text"}, frequency/presence_penalty 0, ...) or
 is bookkeeping that leaves the answer alone (user, metadata): engine/serve/fields.py.
 
 Every error is OpenAI's JSON `{"error": {"message", "type", "param", "code"}}`:
@@ -50,9 +53,18 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.protocol.errors import ProtocolError
-from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams, SpeculativeParams, TokenEvent
+from engine.protocol.messages import (
+    MAX_TOP_LOGPROBS,
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    SpeculativeParams,
+    TokenEvent,
+    TokenLogprob,
+)
 from engine.serve import fields
 from engine.serve.backpressure import retry_after_header
+from engine.serve.logprobs import ChatLogprobs, CompletionLogprobs, chat_logprobs, completion_logprobs
 from engine.serve.interface import Engine, EngineError, EngineOverloaded
 
 log = logging.getLogger(__name__)
@@ -137,12 +149,18 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1, description="the conversation so far")
     max_completion_tokens: int | None = Field(default=None,
                                               description="new tokens at most (wins over max_tokens)")
+    logprobs: bool | None = Field(default=None, description="each answer token's logprob (the model's raw "
+                                                            "distribution, before temperature and top-k/p)")
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="with logprobs: the likeliest tokens at each position")
 
 
 class CompletionRequest(_Sampling):
     """POST /v1/completions"""
 
     prompt: str | list[str] = Field(description="raw text, no chat template (a list must hold one string)")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="each answer token's logprob and this many likeliest alternatives")
 
 
 # -- response schemas (for the OpenAPI document; handlers build plain dicts) ----------
@@ -186,7 +204,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -204,7 +222,7 @@ class ChatCompletion(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -235,6 +253,18 @@ def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, A
 
 
 # -- mapping requests onto the engine protocol ----------------------------------------
+def _logprobs(body: _Sampling) -> int | None:
+    """How many alternatives per token the body asks for with logprobs, or None (no logprobs)."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    assert isinstance(body, ChatCompletionRequest)
+    if not body.logprobs:
+        if body.top_logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    return body.top_logprobs or 0
+
+
 def _sampling(body: _Sampling, max_tokens: int | None) -> SamplingParams:
     if body.n is not None and body.n != 1:
         raise ApiError(400, "n must be 1: this server returns one choice per request", param="n")
@@ -243,7 +273,7 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> SamplingParams:
         "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "top_k": body.top_k, "repetition_penalty": body.repetition_penalty, "seed": body.seed,
         "stop": None if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop)),
-        "ignore_eos": body.ignore_eos,
+        "ignore_eos": body.ignore_eos, "logprobs": _logprobs(body),
     }
     return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
 
@@ -486,7 +516,7 @@ async def _generate(body: _Sampling, request: Request, engine: Engine, chat: boo
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventSourceResponse(_sse(engine, rid, head, chat, include_usage), ping=15)
-    text, final = await _collect(engine, rid, request)
+    text, final, lps = await _collect(engine, rid, request)
     if final is not None and final.finish_reason == "error" and _refused_prompt(final):
         raise ApiError(400, final.error or "the prompt was refused", param="messages" if chat else "prompt",
                        code="context_length_exceeded" if "context holds" in (final.error or "") else None)
@@ -496,14 +526,17 @@ async def _generate(body: _Sampling, request: Request, engine: Engine, chat: boo
     finish = _finish(final.finish_reason if final else None)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish}
+                  "logprobs": chat_logprobs(lps) if req.sampling.logprobs is not None else None,
+                  "finish_reason": finish}
         head = {**head, "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "finish_reason": finish,
+                  "logprobs": completion_logprobs(lps) if req.sampling.logprobs is not None else None}
     return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
 
 
-async def _collect(engine: Engine, rid: str, request: Request) -> tuple[str, TokenEvent | None]:
+async def _collect(engine: Engine, rid: str,
+                   request: Request) -> tuple[str, TokenEvent | None, list[TokenLogprob]]:
     """Gather a whole answer; a client that hangs up cancels the engine request."""
 
     async def watch() -> None:
@@ -513,18 +546,20 @@ async def _collect(engine: Engine, rid: str, request: Request) -> tuple[str, Tok
 
     watcher = asyncio.create_task(watch())
     parts: list[str] = []
+    lps: list[TokenLogprob] = []
     final: TokenEvent | None = None
     try:
         async with contextlib.aclosing(engine.async_stream(rid)) as events:
             async for ev in events:
                 parts.append(ev.text)
+                lps.extend(ev.logprobs)
                 if ev.final:
                     final = ev
     finally:
         watcher.cancel()
         if final is None:
             _cancel(engine, rid)
-    return "".join(parts), final
+    return "".join(parts), final, lps
 
 
 async def _sse(engine: Engine, rid: str, head: dict[str, Any], chat: bool,
@@ -532,15 +567,21 @@ async def _sse(engine: Engine, rid: str, head: dict[str, Any], chat: bool,
     """SSE events of one streamed answer. A disconnect cancels this generator
     (sse-starlette), which cancels the engine request in `finally`."""
     extra = {"usage": None} if include_usage else {}
+    sent = 0  # characters streamed so far (completions' text_offset)
 
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, str]:
+    def chunk(text: str | None, finish: str | None, first: bool = False,
+              lps: tuple[TokenLogprob, ...] = ()) -> dict[str, str]:
+        nonlocal sent
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
+                                      "logprobs": chat_logprobs(lps) if lps else None}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish,
+                      "logprobs": completion_logprobs(lps, sent) if lps else None}
+        sent += len(text or "")
         return {"data": _dumps({**head, "choices": [choice], **extra})}
 
     final: TokenEvent | None = None
@@ -550,8 +591,8 @@ async def _sse(engine: Engine, rid: str, head: dict[str, Any], chat: bool,
         async with contextlib.aclosing(engine.async_stream(rid)) as events:
             async for ev in events:
                 if not ev.final:
-                    if ev.text:
-                        yield chunk(ev.text, None)
+                    if ev.text or ev.logprobs:
+                        yield chunk(ev.text, None, lps=ev.logprobs)
                     continue
                 final = ev
                 if ev.finish_reason == "error":
@@ -561,7 +602,7 @@ async def _sse(engine: Engine, rid: str, head: dict[str, Any], chat: bool,
                                      "server_error", code="engine_error")
                     yield {"data": _dumps(err)}
                 else:
-                    yield chunk(ev.text, _finish(ev.finish_reason))
+                    yield chunk(ev.text, _finish(ev.finish_reason), lps=ev.logprobs)
                     if include_usage:
                         yield {"data": _dumps({**head, "choices": [], "usage": _usage(ev)})}
     except Exception as e:  # headers are sent: report in-band, as for an engine error

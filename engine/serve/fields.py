@@ -3,7 +3,7 @@
 A field the engines do not implement is a 400 naming it (code "unsupported_parameter"),
 never silently dropped: an app that asks for tool calls, a JSON schema or logprobs and
 gets prose back breaks in ways its user cannot see. The one exception is a field set to
-the value that asks for nothing (tools=[], logprobs=false, response_format text,
+the value that asks for nothing (tools=[], response_format text,
 frequency_penalty 0, ...), which clients send by default, and bookkeeping that does
 not change the answer (user, metadata).
 
@@ -65,8 +65,6 @@ _COMMON: dict[str, Callable[[Any], bool]] = {
 
 CHAT_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     **_COMMON,
-    "logprobs": _false,
-    "top_logprobs": _zero,
     "tools": _empty,
     "tool_choice": _one_of("none"),
     "parallel_tool_calls": _anything,  # meaningless without tools, which are refused
@@ -82,7 +80,6 @@ CHAT_NEUTRAL: dict[str, Callable[[Any], bool]] = {
 
 COMPLETION_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     **_COMMON,
-    "logprobs": _absent,  # an integer here; 0 still asks for the chosen token's logprob
     "echo": _false,
     "suffix": _one_of(""),
     "best_of": _one_of(1),

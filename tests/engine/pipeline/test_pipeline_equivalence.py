@@ -92,3 +92,28 @@ def test_interleaved_streams_equal_transformers_greedy(fleet, references):
     steps = sum(1 + len(want) - 1 for _p, want in references[model])
     assert engine.stats.steps >= steps
     assert all(ms > 0 for ms in engine.stats.stage_ms)
+
+
+def test_logprobs_over_the_ring_are_transformers_log_softmax(fleet, references, demo_dir):
+    """Greedy with logprobs: the coordinator asks the last stage for the logits row and takes
+    each token's logprob from it; they equal transformers' teacher-forced log-softmax."""
+    from engine_helpers import reference_model
+
+    model, stages, engine = fleet
+    prompt, want = references[model][1]
+    n = min(8, len(want))
+    req = GenerateRequest(f"{model}-{stages}-lp", messages=chat(*CONVERSATIONS[1]),
+                          sampling=SamplingParams(max_tokens=n, logprobs=3))
+    events = list(engine.stream(engine.submit(req), timeout=60))
+    got = [t for e in events for t in e.token_ids]
+    lps = [lp for e in events for lp in e.logprobs]
+    assert got == want[:n] and [lp.token_id for lp in lps] == got
+    with torch.inference_mode():
+        logits = reference_model(demo_dir(model))(input_ids=torch.tensor([prompt + got])).logits[0].double()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + n]
+    for pos, lp in enumerate(lps):
+        assert lp.logprob == pytest.approx(float(ref[pos, lp.token_id]), abs=2e-3)
+        assert len(lp.top_ids) == 3 and lp.top_ids[0] == lp.token_id  # greedy: the pick is the likeliest
+        for t, v in zip(lp.top_ids, lp.top_logprobs):  # the likeliest three (up to float noise)
+            assert v == pytest.approx(float(ref[pos, t]), abs=2e-3)
+            assert v >= float(torch.topk(ref[pos], 3).values[-1]) - 2e-3

@@ -224,8 +224,6 @@ HI = [{"role": "user", "content": "hi"}]
     ("chat", {"tools": [TOOL]}, "tools", "unsupported_value"),
     ("chat", {"tool_choice": "required"}, "tool_choice", "unsupported_value"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
-    ("chat", {"logprobs": True}, "logprobs", "unsupported_value"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs", "unsupported_value"),
     ("chat", {"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_value"),
     ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
     ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_value"),
@@ -238,7 +236,6 @@ HI = [{"role": "user", "content": "hi"}]
      "unsupported_parameter"),
     ("completions", {"echo": True}, "echo", "unsupported_value"),
     ("completions", {"best_of": 2}, "best_of", "unsupported_value"),
-    ("completions", {"logprobs": 0}, "logprobs", "unsupported_value"),  # 0 still asks for the chosen token's
 ])
 def test_a_field_the_engines_would_ignore_is_400_naming_it(served, url, extra, param, code):
     server, engine = served

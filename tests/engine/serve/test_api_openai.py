@@ -203,3 +203,39 @@ def test_stream_disconnect_cancels_the_engine_request(server, engine, monkeypatc
     with httpx.Client(timeout=30) as c:
         r = c.post(f"{server.url}/v1/completions", json={"model": "demo", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 200 and time.monotonic() - t0 < 10
+
+
+def test_logprobs_through_the_openai_client(client):
+    """Greedy: the pick is the likeliest token; streamed logprobs are the same list; the
+    legacy completions shape holds the same figures in parallel arrays."""
+    kw = dict(model="demo", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(**kw)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens > 0
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+        assert (t.token, t.logprob) == (t.top_logprobs[0].token, t.top_logprobs[0].logprob)
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+    streamed = [t for c in client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    plain = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
+
+    comp = client.completions.create(model="demo", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == comp.usage.completion_tokens
+    assert all(len(alt) <= 2 and max(alt.values()) == pytest.approx(v) for alt, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "speculative": "lookup"}, "speculative"),  # one verify pass keeps no rows per token
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_logprobs_that_cannot_be_given_are_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=CHAT, max_tokens=2, extra_body=extra)
+    assert e.value.body["param"] == param

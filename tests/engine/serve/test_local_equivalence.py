@@ -49,3 +49,32 @@ def test_four_concurrent_requests_each_match_their_reference(engine):
     for rid, messages in zip(rids, PROMPTS):
         ref = reference_greedy(path, chat_ids(eng.tokenizer, messages), N)
         assert results[rid][0] == ref, rid
+
+
+def test_logprobs_are_transformers_log_softmax_at_each_answer_position(engine):
+    """Each answer token's logprob and its 5 likeliest alternatives are the log-softmax of
+    transformers' logits over the prompt and the answer so far (teacher-forced)."""
+    import numpy as np
+    import torch
+
+    from engine_helpers import reference_model
+
+    eng, path = engine
+    messages = PROMPTS[1]
+    req = GenerateRequest("lp", messages=messages, sampling=SamplingParams(max_tokens=12, logprobs=5))
+    events = list(eng.generate(req))
+    out = [t for e in events for t in e.token_ids]
+    lps = [lp for e in events for lp in e.logprobs]
+    assert [lp.token_id for lp in lps] == out and out  # one per token, in order
+    ids = chat_ids(eng.tokenizer, messages)
+    with torch.inference_mode():
+        logits = reference_model(path)(input_ids=torch.tensor([ids + out])).logits[0].double()
+    want = torch.log_softmax(logits, -1)[len(ids) - 1:len(ids) - 1 + len(out)].numpy()  # [answer, vocab]
+    for pos, lp in enumerate(lps):
+        assert lp.logprob == pytest.approx(want[pos, lp.token_id], abs=2e-3)
+        assert len(lp.top_ids) == 5 and list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True)
+        np.testing.assert_allclose(lp.top_logprobs, want[pos, list(lp.top_ids)], atol=2e-3)
+        fifth = np.sort(want[pos])[-5]
+        assert min(lp.top_logprobs) >= fifth - 2e-3  # they are the likeliest five, not any five
+        assert lp.token_id == lp.top_ids[0]  # greedy: the pick is the likeliest
+        assert lp.text == eng.tokenizer.decode([lp.token_id])
