@@ -426,8 +426,8 @@ class PipelineEngine(Engine):
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
                                   usage=Usage(0, 0)))
             return None
-        return _Flight(gen, f"s{next(self._ids)}", sample=s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None,
-                       spec=spec)
+        sample = s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None
+        return _Flight(gen, f"s{next(self._ids)}", sample=sample, spec=spec)
 
     def _send_step(self, f: _Flight) -> None:
         if self.recovery.hold_send(f):  # paused by a recovery, or a replay chunk sent
