@@ -51,7 +51,8 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "Bevy {moe-quick:speedup_vs_on_demand|x} over on-demand, {moe-quick:speedup_vs_prefetch|x} over prefetch "
         "(I/O: {moe-quick:io.effective})", Q.format("moe")),
     Row("sparse FFN, Llama-3.1-8B layer shapes (12 layers, bf16), every engine under a memory cap of half the "
-        "checkpoint, predicted mode (random weights: any threshold above 0 changes the output, docs/sparse.md)",
+        "checkpoint, the neurons to read picked by the engine's low-rank predictor (random weights: any threshold "
+        "above 0 changes the output, docs/sparse.md)",
         "{sparse-quick:equal_quality.speedup_vs_mmap|x} of mmap's speed at equal quality (threshold "
         "{sparse-quick:equal_quality.sparsity}, the dense output), {sparse-quick:speedup_vs_mmap|x} at sparsity 0.8 "
         "(top-1 agreement {sparse-quick:top1_agreement_at_sparsity|f2}); {sparse-quick:speedup_vs_on_demand|x} vs "
