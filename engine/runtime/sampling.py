@@ -99,7 +99,10 @@ def token_logprob(logits: np.ndarray, token: int, n: int, text_of: Callable[[int
     """The picked token's logprob under the raw logits [vocab] (what the model says, before
     temperature, top-k/top-p and penalties reshape it for the draw) and the n likeliest tokens."""
     lp = log_softmax(logits)
-    top = np.argsort(-lp, kind="stable")[:n] if n else np.zeros(0, dtype=np.int64)
+    top = np.zeros(0, dtype=np.int64)
+    if n:  # the n best without sorting the vocabulary (128 k entries on Llama 3): partition, then sort n
+        top = np.argpartition(-lp, n - 1)[:n] if n < lp.shape[0] else np.arange(lp.shape[0])
+        top = top[np.lexsort((top, -lp[top]))]  # best first; equal logprobs: the lower id first
     return TokenLogprob(token_id=int(token), text=text_of(int(token))[:MAX_TOKEN_CHARS],
                         logprob=min(float(lp[token]), 0.0),
                         top_ids=tuple(int(t) for t in top),

@@ -303,17 +303,17 @@ def _chat_message(m: ChatMessageIn) -> ChatMessage:
 def _refuse_unsupported(body: _Sampling) -> None:
     """A 400 naming the first field the engines would have to ignore (engine/serve/fields.py)."""
     chat = isinstance(body, ChatCompletionRequest)
-    found = fields.refusal(body.model_extra, fields.CHAT_NEUTRAL if chat else fields.COMPLETION_NEUTRAL)
-    if found is None and body.stream_options is not None:
-        found = fields.refusal(body.stream_options.model_extra, fields.STREAM_OPTIONS_NEUTRAL, "stream_options.")
+    checks = [(body, fields.CHAT_NEUTRAL if chat else fields.COMPLETION_NEUTRAL, "")]
+    if body.stream_options is not None:
+        checks.append((body.stream_options, fields.STREAM_OPTIONS_NEUTRAL, "stream_options."))
     for i, m in enumerate(body.messages if chat else ()):
+        checks.append((m, fields.MESSAGE_NEUTRAL, f"messages[{i}]."))
+        parts = m.content if isinstance(m.content, list) else ()
+        checks += [(part, {}, f"messages[{i}].content[{j}].") for j, part in enumerate(parts)]
+    for model, neutral, prefix in checks:
+        found = fields.refusal(model.model_extra, neutral, prefix)
         if found is not None:
-            break
-        found = fields.refusal(m.model_extra, fields.MESSAGE_NEUTRAL, f"messages[{i}].")
-        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-            found = found or fields.refusal(part.model_extra, {}, f"messages[{i}].content[{j}].")
-    if found is not None:
-        raise ApiError(400, found.message, param=found.param, code=found.code)
+            raise ApiError(400, found.message, param=found.param, code=found.code)
 
 
 def _build(request_id: str, body: _Sampling) -> GenerateRequest:
