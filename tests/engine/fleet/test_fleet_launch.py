@@ -172,7 +172,9 @@ def test_worker_data_socket_admits_paired_keys_only(fleet):
             paired.close(0)
             return msg
         finally:
-            ctx.term()
+            # destroy, not term: after a failed step a socket is still open, and term() waits
+            # for it forever (a suite run hung here for 17 min instead of reporting the failure)
+            ctx.destroy(linger=0)
 
     pong = asyncio.run(probe())
     assert isinstance(pong, StagePong) and pong.nonce == 2 and (pong.start, pong.end) == (0, 4)
