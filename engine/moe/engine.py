@@ -33,11 +33,12 @@ from engine.moe.scheduler import ABLATIONS, SCHEDULERS, Seq, make_scheduler
 from engine.moe.store import ExpertStore, StoreConfig, StoreError
 from engine.platform.memory import memory_room
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
-from engine.runtime.chat import chat_ids, prompt_ids
+from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, decode_one, finished
 from engine.serve.interface import Engine, EngineError, EngineInfo
 from engine.serve.local import context_from_config, drain_inbox, refuse_waiting
+from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,8 @@ class MoEEngine(Engine):
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(self.model_id, "moe", "CPU", self.context_length)
+        return EngineInfo(self.model_id, "moe", "CPU", self.context_length,
+                          tool_format.of(self.tokenizer).name)
 
     def stats(self) -> dict[str, Any]:
         """Counters for benchmarks (read while idle for consistent figures)."""
@@ -232,10 +234,7 @@ class MoEEngine(Engine):
 
     def _admit(self, request: GenerateRequest, t_submit: float) -> None:
         try:
-            if request.messages is not None:
-                ids = chat_ids(self.tokenizer, request.messages)
-            else:
-                ids = prompt_ids(self.tokenizer, request.prompt or "")
+            ids = request_ids(self.tokenizer, request)
             gen = Generation.create(request, ids, _NoStream(), self.tokenizer, self.eos_ids,
                                     self.context_length, self.config.prefill_chunk, t_submit)
         except Exception as e:

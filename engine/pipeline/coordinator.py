@@ -57,10 +57,11 @@ from engine.protocol.pipeline import (
     StageResult,
     StageStep,
 )
-from engine.runtime.chat import chat_ids, prompt_ids
+from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
-from engine.runtime.generation import Generation, accept, finished
+from engine.runtime.generation import Generation, accept, finished, pick
 from engine.serve.interface import Engine, EngineError, EngineInfo
+from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,8 @@ class PipelineEngine(Engine):
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(self.model_id, "pipeline", self.config.device, self.context_length)
+        return EngineInfo(self.model_id, "pipeline", self.config.device, self.context_length,
+                          tool_format.of(self.tokenizer).name)
 
     def stage_status(self) -> dict[int, StagePong]:
         """The last pong of every stage (queue depth, streams, compute ms)."""
@@ -409,10 +411,7 @@ class PipelineEngine(Engine):
 
     def _admit(self, request: GenerateRequest, t_submit: float) -> _Flight | None:
         try:
-            if request.messages is not None:
-                ids = chat_ids(self.tokenizer, request.messages)
-            else:
-                ids = prompt_ids(self.tokenizer, request.prompt or "")
+            ids = request_ids(self.tokenizer, request)
             gen = Generation.create(request, ids, None, self.tokenizer, self.eos_ids,  # type: ignore[arg-type]
                                     self.context_length, self.config.prefill_chunk, t_submit)
         except Exception as e:
@@ -426,7 +425,7 @@ class PipelineEngine(Engine):
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
                                   usage=Usage(0, 0)))
             return None
-        sample = s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None
+        sample = s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None or request.constrained
         return _Flight(gen, f"s{next(self._ids)}", sample=sample, spec=spec)
 
     def _send_step(self, f: _Flight) -> None:
@@ -528,7 +527,7 @@ class PipelineEngine(Engine):
         if f.sample:
             if len(tensors) != 1 or tensors[0].ndim != 1 or tensors[0].dtype != np.float32:
                 raise ValueError("the last stage did not return a logits row")
-            return f.gen.sampler.sample(tensors[0])
+            return pick(f.gen, tensors[0])
         if msg.token is None or msg.token >= self.vocab_size:
             raise ValueError(f"the last stage returned no valid token ({msg.token})")
         return msg.token

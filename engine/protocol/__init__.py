@@ -37,6 +37,7 @@ from engine.protocol.messages import (
     TokenLogprob,
     Usage,
 )
+from engine.protocol.structured import TOOL_CHOICES, ToolCall, ToolSpec
 from engine.protocol.version import PROTOCOL_VERSION
 
 # Every message family registers itself with the codec on import; importing
@@ -64,6 +65,9 @@ __all__ = [
     "Timings",
     "TokenEvent",
     "TokenLogprob",
+    "TOOL_CHOICES",
+    "ToolCall",
+    "ToolSpec",
     "Usage",
     "decode",
     "decode_frames",

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from engine.protocol import messages as _messages
+from engine.protocol import structured as _structured
 from engine.protocol.errors import ProtocolError, one_line
 from engine.protocol.version import PROTOCOL_VERSION
 
@@ -319,7 +320,7 @@ def _keys(keys: Any) -> str:
 
 for _cls in (_messages.ChatMessage, _messages.SamplingParams, _messages.GenerateRequest,
              _messages.Usage, _messages.Timings, _messages.TokenLogprob, _messages.TokenEvent, _messages.ErrorReply,
-             _messages.Refusal):
+             _messages.Refusal, _structured.ToolSpec, _structured.ToolCall):
     register(_cls)
 del _cls
 

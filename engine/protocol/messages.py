@@ -16,8 +16,9 @@ from engine.protocol._checks import is_text as _is_text
 from engine.protocol._checks import require as _require
 from engine.protocol._checks import set_float as _set_float
 from engine.protocol.errors import ERROR_CODES, ProtocolError, Refusal, one_line
+from engine.protocol.structured import MAX_TOOL_CALLS, ToolCall, ToolSpec, check_structure
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MAX_TEXT_CHARS = 1_000_000  # one chat message or prompt
 MAX_MESSAGES = 1_000
@@ -41,8 +42,10 @@ def _is_request_id(v: object) -> bool:
 @dataclass(frozen=True)
 class ChatMessage:
     KIND: ClassVar[str] = "chat_message"
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result)
     content: str  # the text of the turn
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant turns: the calls the model made
+    tool_call_id: str | None = None  # tool turns: which call this answers
 
     def __post_init__(self) -> None:
         # isinstance first: `x in ROLES` on an odd object may itself raise
@@ -50,6 +53,13 @@ class ChatMessage:
                  f"role must be one of {ROLES}, got {self.role!r:.40}")
         _require(isinstance(self.content, str), "content must be a string")
         _require(len(self.content) <= MAX_TEXT_CHARS, "content is too long")
+        _require(isinstance(self.tool_calls, tuple) and len(self.tool_calls) <= MAX_TOOL_CALLS
+                 and all(isinstance(c, ToolCall) for c in self.tool_calls),
+                 f"tool_calls must be at most {MAX_TOOL_CALLS} ToolCall values")
+        _require(not self.tool_calls or self.role == "assistant", "only an assistant turn has tool calls")
+        _require((self.tool_call_id is not None) == (self.role == "tool")
+                 and (self.tool_call_id is None or _is_text(self.tool_call_id, 128, allow_empty=False)),
+                 "a tool turn (and only a tool turn) names the tool_call_id it answers")
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,15 @@ class GenerateRequest:
     prompt: str | None = None  # raw text, no template (the /v1/completions path)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     speculative: SpeculativeParams | None = None  # None = the engine's default (set at its start)
+    tools: tuple[ToolSpec, ...] = ()  # functions the model may call (chat only; engine/runtime/tool_format.py)
+    tool_choice: str = "auto"  # "auto" | "none" | "required" (a call is forced by a grammar)
+    forced_tool: str | None = None  # with "required": the one tool it must call
+    json_schema: str | None = None  # the answer is a JSON document valid under this schema (JSON text)
+
+    @property
+    def constrained(self) -> bool:
+        """The answer is held to a grammar (a JSON schema or a forced tool call)."""
+        return self.json_schema is not None or (self.tool_choice == "required" and bool(self.tools))
 
     def __post_init__(self) -> None:
         _require(_is_request_id(self.request_id),
@@ -138,12 +157,18 @@ class GenerateRequest:
         _require(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
         _require(self.speculative is None or isinstance(self.speculative, SpeculativeParams),
                  "speculative must be SpeculativeParams or nil")
-        if self.sampling.logprobs is not None:
-            # a logprob is read from the logits row the token was picked from; a speculative
-            # step accepts several tokens from one verify pass and keeps no such rows (yet).
-            # So such a request does not speculate: the engine's default becomes "off".
+        check_structure(self.tools, self.tool_choice, self.forced_tool, self.json_schema)
+        _require(not self.tools or self.messages is not None, "tools need a chat (messages), not a raw prompt")
+        # A logprob is read from the logits row the token was picked from, and a grammar
+        # masks each token's row before the pick; a speculative step accepts several
+        # tokens from one verify pass and keeps no such rows (yet). So such a request
+        # does not speculate: the engine's default becomes "off".
+        for asked, what in ((self.sampling.logprobs is not None, "logprobs"),
+                            (self.constrained, "a JSON schema or a required tool call")):
+            if not asked:
+                continue
             _require(self.speculative is None or self.speculative.mode == "off",
-                     "speculative decoding and logprobs do not go together; ask for one of them")
+                     f"speculative decoding and {what} do not go together; ask for one of them")
             if self.speculative is None:
                 object.__setattr__(self, "speculative", SpeculativeParams(mode="off"))
 

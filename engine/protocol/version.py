@@ -10,4 +10,7 @@ rule tightened) bumps it, because decoding is strict about the field set.
 # 2: SamplingParams.ignore_eos; 3: LoadRequest context_length/streams;
 # 4: ErrorReply.refusal (a Refusal: reason, need_bytes, limit_bytes) with the new code "refused",
 #    which agents now answer where they said "overloaded" with the reason in the text
-PROTOCOL_VERSION: int = 4
+# 5: SamplingParams.logprobs and TokenEvent.logprobs (TokenLogprob); the "tool" role,
+#    ChatMessage.tool_calls / tool_call_id (ToolCall); GenerateRequest tools (ToolSpec),
+#    tool_choice, forced_tool, json_schema
+PROTOCOL_VERSION: int = 5

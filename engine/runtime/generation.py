@@ -19,7 +19,10 @@ from typing import Any
 import numpy as np
 
 from engine.protocol.messages import GenerateRequest, Timings, TokenEvent, TokenLogprob, Usage
+from engine.runtime import constraint as _constraint
+from engine.runtime import tool_format
 from engine.runtime.backend import ModelStream
+from engine.runtime.constraint import Constraint
 from engine.runtime.detokenize import Detokenizer
 from engine.runtime.sampling import Sampler, SamplerConfig, token_logprob
 
@@ -41,6 +44,7 @@ class Generation:
     pending: int | None = None  # last token, not yet fed to the model
     logits: np.ndarray | None = None  # float32 [vocab] for the next pick
     finish_reason: str | None = None  # set once the answer ended
+    constraint: Constraint | None = None  # the grammar the answer must follow (JSON schema, forced tool call)
 
     @classmethod
     def create(cls, request: GenerateRequest, prompt_ids: list[int], stream: ModelStream,
@@ -58,7 +62,8 @@ class Generation:
             sampler=Sampler(SamplerConfig.from_params(s), prompt_ids),
             detok=Detokenizer(tokenizer, prompt_ids, s.stop, frozenset() if s.ignore_eos else eos_ids),
             max_new=min(s.max_tokens, context_length - len(prompt_ids)), chunk=chunk,
-            t_submit=time.perf_counter() if t_submit is None else t_submit)
+            t_submit=time.perf_counter() if t_submit is None else t_submit,
+            constraint=_constraint.for_request(request, tokenizer, eos_ids, tool_format.of(tokenizer)))
 
     @property
     def request_id(self) -> str:
@@ -82,13 +87,22 @@ def decode_one(gen: Generation) -> TokenEvent:
         gen.logits = gen.stream.decode(gen.pending)
         gen.pending = None
     logits, gen.logits = gen.logits, None
-    return accept(gen, gen.sampler.sample(logits), logits)
+    return accept(gen, pick(gen, logits), logits)
+
+
+def pick(gen: Generation, logits: np.ndarray) -> int:
+    """The next token from a logits row [vocab]: the grammar's mask (when the answer
+    has one), then the sampler. The one copy of this step (the pipeline's coordinator
+    calls it too)."""
+    if gen.constraint is not None:
+        logits = gen.constraint.masked(logits)
+    return gen.sampler.sample(logits)
 
 
 def accept(gen: Generation, token: int, logits: np.ndarray | None = None) -> TokenEvent:
-    """Take a picked token into the answer: its text, a stop string or the length limit
-    ending it, its logprob when asked for (from the logits row it was picked from).
-    The one copy of this step; every engine's decode loop ends in it."""
+    """Take a picked token into the answer: its text, a stop string, the length limit or
+    a completed grammar ending it, its logprob when asked for (from the raw logits row it
+    was picked from). The one copy of this step; every engine's decode loop ends in it."""
     n = gen.request.sampling.logprobs
     if n is not None and logits is None:
         raise ValueError("logprobs were asked for but the token came without its logits row")
@@ -96,9 +110,13 @@ def accept(gen: Generation, token: int, logits: np.ndarray | None = None) -> Tok
     if gen.t_first is None:
         gen.t_first = time.perf_counter()
     gen.output_ids.append(token)
+    if gen.constraint is not None:
+        gen.constraint.advance(token)
     delta = gen.detok.push(token)
     if delta.stopped:
         return finished(gen, "stop", delta.text, (token,), logprobs=lp)
+    if gen.constraint is not None and gen.constraint.complete:
+        return finished(gen, "stop", delta.text + gen.detok.finish(), (token,), logprobs=lp)
     if len(gen.output_ids) >= gen.max_new:
         return finished(gen, "length", delta.text + gen.detok.finish(), (token,), logprobs=lp)
     gen.pending = token

@@ -13,11 +13,13 @@ request does not speculate: engine/serve/logprobs.py), and the extensions
 top_k, repetition_penalty and speculative ({"mode": "draft"|"lookup"|"off",
 "k": 1..16, "adaptive": bool}, or just the mode as a string; absent = the
 engine's default; docs/speculative.md). Without max_tokens the engine's default
-(SamplingParams.max_tokens) applies. Message roles: system, user, assistant;
-"developer" is read as "system"; content is a string or a list of text parts.
-Any other field is a 400 naming it (code "unsupported_parameter"), unless it
-holds the value that asks for nothing (tools [], tool_choice "none",
-response_format {"type": "text"}, frequency/presence_penalty 0, ...) or
+(SamplingParams.max_tokens) applies. Message roles: system, user, assistant (with
+its tool_calls), tool (with tool_call_id); "developer" is read as "system"; content
+is a string or a list of text parts. Chat also takes tools, tool_choice,
+parallel_tool_calls and response_format: a JSON answer or a required call is held to
+a grammar, calls come back as tool_calls (engine/serve/tool_calls.py, docs/api.md).
+Any other field is a 400 naming it (code "unsupported_parameter"), unless it holds
+the value that asks for nothing (functions [], frequency/presence_penalty 0, ...) or
 is bookkeeping that leaves the answer alone (user, metadata): engine/serve/fields.py.
 
 Every error is OpenAI's JSON `{"error": {"message", "type", "param", "code"}}`:
@@ -62,7 +64,19 @@ from engine.protocol.messages import (
     TokenEvent,
     TokenLogprob,
 )
+from engine.runtime import tool_format
+from engine.runtime.constraint import GrammarError, check_grammar, grammar_for
 from engine.serve import fields
+from engine.serve.tool_calls import (
+    ChatShaper,
+    NamedToolChoice,
+    ResponseFormatIn,
+    ToolCallIn,
+    ToolChoiceIn,
+    ToolIn,
+    message_calls,
+    structure,
+)
 from engine.serve.backpressure import retry_after_header
 from engine.serve.logprobs import ChatLogprobs, CompletionLogprobs, chat_logprobs, completion_logprobs
 from engine.serve.interface import Engine, EngineError, EngineOverloaded
@@ -108,8 +122,10 @@ class ContentPart(_Lenient):
 
 
 class ChatMessageIn(_Lenient):
-    role: str = Field(description='"system", "user", "assistant" ("developer" = "system")')
+    role: str = Field(description='"system", "user", "assistant", "tool" ("developer" = "system")')
     content: str | list[ContentPart] | None = Field(default=None, description="text or text parts")
+    tool_calls: list[ToolCallIn] | None = Field(default=None, description="assistant: the calls it made")
+    tool_call_id: str | None = Field(default=None, description="tool: the call this result answers")
 
 
 class SpeculativeIn(BaseModel):
@@ -153,6 +169,15 @@ class ChatCompletionRequest(_Sampling):
                                                             "distribution, before temperature and top-k/p)")
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="with logprobs: the likeliest tokens at each position")
+    tools: list[ToolIn] | None = Field(default=None, description="functions the model may call")
+    tool_choice: ToolChoiceIn | None = Field(
+        default=None, description='"auto" (default with tools), "none", "required" or a named function; '
+                                  "required and named calls are forced by a grammar")
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="accepted; a forced call is one call, an auto answer may hold several")
+    response_format: ResponseFormatIn | None = Field(
+        default=None, description='{"type": "text" | "json_object" | "json_schema"}: JSON answers are held '
+                                  "to the schema by a grammar")
 
 
 class CompletionRequest(_Sampling):
@@ -196,16 +221,28 @@ class UsageOut(BaseModel):
     total_tokens: int
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):
@@ -289,6 +326,9 @@ def _speculative(body: _Sampling) -> SpeculativeParams | None:
 
 def _chat_message(m: ChatMessageIn) -> ChatMessage:
     role = "system" if m.role == "developer" else m.role
+    if role not in ("system", "user", "assistant", "tool"):
+        raise ApiError(400, f"messages: role must be system, user, assistant, tool or developer, not {role!r:.40}",
+                       param="messages")
     if m.content is None:
         content = ""
     elif isinstance(m.content, str):
@@ -297,7 +337,8 @@ def _chat_message(m: ChatMessageIn) -> ChatMessage:
         if any(p.type != "text" or p.text is None for p in m.content):
             raise ApiError(400, "only text content parts are supported", param="messages")
         content = "".join(p.text or "" for p in m.content)
-    return ChatMessage(role=role, content=content)
+    return ChatMessage(role=role, content=content, tool_calls=message_calls(m.tool_calls),
+                       tool_call_id=m.tool_call_id)
 
 
 def _refuse_unsupported(body: _Sampling) -> None:
@@ -321,9 +362,15 @@ def _build(request_id: str, body: _Sampling) -> GenerateRequest:
     try:
         if isinstance(body, ChatCompletionRequest):
             mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            return GenerateRequest(request_id=request_id, sampling=_sampling(body, mt),
-                                   messages=tuple(_chat_message(m) for m in body.messages),
-                                   speculative=_speculative(body))
+            shape, wrong = structure(body.tools, body.tool_choice, body.response_format)
+            if wrong is not None:
+                raise ApiError(400, f"'{wrong}' does not name a tool of this request or is incomplete",
+                               param=wrong)
+            req = GenerateRequest(request_id=request_id, sampling=_sampling(body, mt),
+                                  messages=tuple(_chat_message(m) for m in body.messages),
+                                  speculative=_speculative(body), **shape)
+            _check_grammar(req)
+            return req
         assert isinstance(body, CompletionRequest)
         prompt = body.prompt
         if isinstance(prompt, list):
@@ -337,6 +384,18 @@ def _build(request_id: str, body: _Sampling) -> GenerateRequest:
         reason = str(e)
         first = reason.split(" ", 1)[0]
         raise ApiError(400, reason, param=first if first in type(body).model_fields else None) from None
+
+
+def _check_grammar(req: GenerateRequest) -> None:
+    """A schema the grammar compiler refuses is a 400 naming the field, before the engine sees it."""
+    try:
+        grammar = grammar_for(req, tool_format.HERMES)  # the schemas' validity does not depend on the format
+        if grammar is not None:
+            check_grammar(grammar)
+    except (GrammarError, ValueError) as e:
+        param = "response_format" if req.json_schema is not None else "tools"
+        raise ApiError(400, f"{param}: the schema cannot be enforced: {e}", param=param,
+                       code="invalid_schema") from None
 
 
 def _dumps(obj: Any) -> str:
@@ -513,9 +572,10 @@ async def _generate(body: _Sampling, request: Request, engine: Engine, chat: boo
     _submit(engine, req)
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": body.model}
+    shaper = ChatShaper(req.tools, req.tool_choice, tool_format.FORMATS[engine.info.tool_format]) if chat else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_sse(engine, rid, head, chat, include_usage), ping=15)
+        return EventSourceResponse(_sse(engine, rid, head, shaper, include_usage), ping=15)
     text, final, lps = await _collect(engine, rid, request)
     if final is not None and final.finish_reason == "error" and _refused_prompt(final):
         raise ApiError(400, final.error or "the prompt was refused", param="messages" if chat else "prompt",
@@ -524,8 +584,10 @@ async def _generate(body: _Sampling, request: Request, engine: Engine, chat: boo
         raise ApiError(500, f"The engine failed: {final.error or 'unknown error'}", "server_error",
                        code="engine_error")
     finish = _finish(final.finish_reason if final else None)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+    if shaper is not None:
+        shaper.feed(text)
+        _, finish = shaper.finish(final.finish_reason if final else "stop")
+        choice = {"index": 0, "message": shaper.message(),
                   "logprobs": chat_logprobs(lps) if req.sampling.logprobs is not None else None,
                   "finish_reason": finish}
         head = {**head, "object": "chat.completion"}
@@ -562,47 +624,60 @@ async def _collect(engine: Engine, rid: str,
     return "".join(parts), final, lps
 
 
-async def _sse(engine: Engine, rid: str, head: dict[str, Any], chat: bool,
+async def _sse(engine: Engine, rid: str, head: dict[str, Any], shaper: ChatShaper | None,
                include_usage: bool) -> AsyncIterator[dict[str, str]]:
-    """SSE events of one streamed answer. A disconnect cancels this generator
-    (sse-starlette), which cancels the engine request in `finally`."""
+    """SSE events of one streamed answer (a chat when shaper is set). A disconnect
+    cancels this generator (sse-starlette), which cancels the engine request in `finally`."""
     extra = {"usage": None} if include_usage else {}
     sent = 0  # characters streamed so far (completions' text_offset)
 
-    def chunk(text: str | None, finish: str | None, first: bool = False,
+    def chunk(delta: dict[str, Any] | str | None, finish: str | None,
               lps: tuple[TokenLogprob, ...] = ()) -> dict[str, str]:
         nonlocal sent
-        if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
+        if shaper is not None:
+            choice: dict[str, Any] = {"index": 0, "delta": delta or {}, "finish_reason": finish,
                                       "logprobs": chat_logprobs(lps) if lps else None}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish,
+            text = delta if isinstance(delta, str) else ""
+            choice = {"index": 0, "text": text, "finish_reason": finish,
                       "logprobs": completion_logprobs(lps, sent) if lps else None}
-        sent += len(text or "")
+            sent += len(text)
         return {"data": _dumps({**head, "choices": [choice], **extra})}
+
+    def pieces(text: str, lps: tuple[TokenLogprob, ...]) -> list[tuple[Any, tuple[TokenLogprob, ...]]]:
+        """The deltas of one event's text, the event's logprobs on the first of them."""
+        deltas: list[Any] = shaper.feed(text) if shaper is not None else ([text] if text else [])
+        if lps and not deltas:
+            deltas = [{} if shaper is not None else ""]
+        return [(d, lps if i == 0 else ()) for i, d in enumerate(deltas)]
 
     final: TokenEvent | None = None
     try:
-        if chat:
-            yield chunk(None, None, first=True)
+        if shaper is not None:
+            yield chunk({"role": "assistant", "content": ""}, None)
         async with contextlib.aclosing(engine.async_stream(rid)) as events:
             async for ev in events:
                 if not ev.final:
-                    if ev.text or ev.logprobs:
-                        yield chunk(ev.text, None, lps=ev.logprobs)
+                    for d, lps in pieces(ev.text, ev.logprobs):
+                        yield chunk(d, None, lps)
                     continue
                 final = ev
                 if ev.finish_reason == "error":
-                    if ev.text:
-                        yield chunk(ev.text, None)
+                    for d, _ in pieces(ev.text, ()):
+                        yield chunk(d, None)
                     err = error_body(f"The engine failed: {ev.error or 'unknown error'}",
                                      "server_error", code="engine_error")
                     yield {"data": _dumps(err)}
                 else:
-                    yield chunk(ev.text, _finish(ev.finish_reason), lps=ev.logprobs)
+                    last = pieces(ev.text, ev.logprobs)
+                    finish = _finish(ev.finish_reason)
+                    if shaper is not None:
+                        tail, finish = shaper.finish(ev.finish_reason or "stop")
+                        last += [(d, ()) for d in tail]
+                    for d, lps in last[:-1]:
+                        yield chunk(d, None, lps)
+                    d, lps = last[-1] if last else (None, ())
+                    yield chunk(d, finish, lps)
                     if include_usage:
                         yield {"data": _dumps({**head, "choices": [], "usage": _usage(ev)})}
     except Exception as e:  # headers are sent: report in-band, as for an engine error

@@ -3,8 +3,8 @@
 A field the engines do not implement is a 400 naming it (code "unsupported_parameter"),
 never silently dropped: an app that asks for tool calls, a JSON schema or logprobs and
 gets prose back breaks in ways its user cannot see. The one exception is a field set to
-the value that asks for nothing (tools=[], response_format text,
-frequency_penalty 0, ...), which clients send by default, and bookkeeping that does
+the value that asks for nothing (functions=[], frequency_penalty 0,
+...), which clients send by default, and bookkeeping that does
 not change the answer (user, metadata).
 
 Pure: a dict of extra fields in, the first refusal (or None) out.
@@ -44,10 +44,6 @@ def _one_of(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or v in values
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or v == {"type": "text"}
-
-
 def _text_modalities(v: Any) -> bool:
     return v is None or v == ["text"]
 
@@ -65,12 +61,8 @@ _COMMON: dict[str, Callable[[Any], bool]] = {
 
 CHAT_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     **_COMMON,
-    "tools": _empty,
-    "tool_choice": _one_of("none"),
-    "parallel_tool_calls": _anything,  # meaningless without tools, which are refused
-    "functions": _empty,
+    "functions": _empty,  # the deprecated form of tools: ask with tools instead
     "function_call": _one_of("none"),
-    "response_format": _text_format,
     "modalities": _text_modalities,
     "reasoning_effort": _absent,
     "prediction": _absent,
@@ -88,7 +80,6 @@ COMPLETION_NEUTRAL: dict[str, Callable[[Any], bool]] = {
 # assistant message fields a client echoes back from an earlier answer
 MESSAGE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "refusal": _absent,
-    "tool_calls": _empty,
     "function_call": _absent,
     "audio": _absent,
     "annotations": _empty,

@@ -55,6 +55,7 @@ class EngineInfo:
     engine: str  # "local", "pipeline", "moe", "sparse"
     device: str  # e.g. "CPU"
     context_length: int  # tokens (prompt + answer) one request may hold
+    tool_format: str = "hermes"  # how the model writes tool calls (engine/runtime/tool_format.py FORMATS)
 
 
 class Engine(ABC):

@@ -26,12 +26,13 @@ from typing import Any
 
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.backend import BACKENDS, ModelBackend, Progress, load_backend
-from engine.runtime.chat import chat_ids, prompt_ids
+from engine.runtime.chat import request_ids
 from engine.models.profile import DEFAULT_CONTEXT  # when config.json names no maximum
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, finished, step
 from engine.runtime.speculative_local import MaskedOVStream, spec_step
 from engine.serve.interface import Engine, EngineError, EngineInfo
+from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ class LocalEngine(Engine):
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(self.model_id, "local", self.backend.device, self.context_length)
+        return EngineInfo(self.model_id, "local", self.backend.device, self.context_length,
+                          tool_format.of(self.tokenizer).name)
 
     # -- Engine hooks ------------------------------------------------------------
     def _start(self, request: GenerateRequest) -> None:
@@ -185,10 +187,7 @@ class LocalEngine(Engine):
         """Tokenize and open a stream; a bad request ends here with an error event."""
         stream = None
         try:
-            if request.messages is not None:
-                ids = chat_ids(self.tokenizer, request.messages)
-            else:
-                ids = prompt_ids(self.tokenizer, request.prompt or "")
+            ids = request_ids(self.tokenizer, request)
             stream = self.spec.new_stream(request) or self.backend.new_stream()
             gen = Generation.create(request, ids, stream, self.tokenizer, self.eos_ids,
                                     self.context_length, self.prefill_chunk, t_submit)

@@ -38,6 +38,7 @@ from engine.sparse.model import SparseMLP, SparseRuntime, SparseRuntimeConfig
 from engine.sparse.predictor import PredictorConfig
 from engine.sparse.store import BundleStore, StoreConfig, build_store
 from engine.sparse.weights import MappedWeights, build_skeleton, ffn_layout, put_weights
+from engine.runtime import tool_format
 
 
 @dataclass
@@ -237,7 +238,8 @@ class SparseEngine(LocalEngine):
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(self.model_id, "sparse", "CPU", self.context_length)
+        return EngineInfo(self.model_id, "sparse", "CPU", self.context_length,
+                          tool_format.of(self.tokenizer).name)
 
     # -- sparse-only API ----------------------------------------------------------------
     def set_cache_budget(self, nbytes: int) -> None:

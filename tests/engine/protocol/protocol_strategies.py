@@ -4,6 +4,7 @@ validator that got stricter than its documented rule shows up as a failure)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import msgpack
@@ -22,6 +23,8 @@ from engine.protocol import (
     TensorSpec,
     Timings,
     TokenEvent,
+    ToolCall,
+    ToolSpec,
     Usage,
     encode,
 )
@@ -40,7 +43,19 @@ text = st.text(alphabet=_chars, max_size=40)
 ids = st.text(alphabet=_chars, min_size=1, max_size=128)
 finite = st.floats(min_value=0.0, allow_nan=False, allow_infinity=False)
 
-chat_messages = st.builds(ChatMessage, role=st.sampled_from(ROLES), content=text)
+tool_names = st.from_regex(r"\A[A-Za-z0-9_-]{1,64}\Z")
+json_objects = st.dictionaries(st.text(alphabet=_chars, max_size=8), st.integers() | text, max_size=3).map(
+    lambda d: json.dumps({"type": "object", **({"properties": {k: {"const": v} for k, v in d.items()}} if d else {})}))
+tool_specs = st.builds(ToolSpec, name=tool_names, description=text, parameters=json_objects)
+tool_calls = st.builds(ToolCall, id=ids, name=tool_names, arguments=text)
+
+
+@st.composite
+def chat_messages(draw: st.DrawFn) -> ChatMessage:
+    role = draw(st.sampled_from(ROLES))
+    calls = tuple(draw(st.lists(tool_calls, max_size=2))) if role == "assistant" else ()
+    return ChatMessage(role, draw(text), tool_calls=calls, tool_call_id=draw(ids) if role == "tool" else None)
+
 
 sampling_params = st.builds(
     SamplingParams,
@@ -59,8 +74,13 @@ def generate_requests(draw: st.DrawFn) -> GenerateRequest:
     rid = draw(ids)
     sampling = draw(sampling_params)
     if draw(st.booleans()):
-        msgs = draw(st.lists(chat_messages, min_size=1, max_size=5))
-        return GenerateRequest(rid, messages=tuple(msgs), sampling=sampling)
+        msgs = draw(st.lists(chat_messages(), min_size=1, max_size=5))
+        tools = draw(st.lists(tool_specs, max_size=3, unique_by=lambda t: t.name))
+        choice = draw(st.sampled_from(("auto", "none", "required") if tools else ("auto", "none")))
+        forced = draw(st.none() | st.sampled_from([t.name for t in tools])) if choice == "required" else None
+        schema = draw(st.none() | json_objects) if choice != "required" else None
+        return GenerateRequest(rid, messages=tuple(msgs), sampling=sampling, tools=tuple(tools), tool_choice=choice,
+                               forced_tool=forced, json_schema=schema)
     return GenerateRequest(rid, prompt=draw(text), sampling=sampling)
 
 
@@ -107,7 +127,7 @@ def tensor_specs(draw: st.DrawFn) -> TensorSpec:
     return TensorSpec(dtype, shape, math.prod(shape) * DTYPES[dtype].itemsize)
 
 
-plain_messages = st.one_of(chat_messages, sampling_params, generate_requests(), usages,
+plain_messages = st.one_of(chat_messages(), tool_specs, tool_calls, sampling_params, generate_requests(), usages,
                            timings, token_events(), error_replies(), refusals())
 
 

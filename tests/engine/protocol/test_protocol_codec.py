@@ -66,7 +66,8 @@ def test_envelope_shape_and_nested_plain_maps() -> None:
     req = GenerateRequest("r", messages=(ChatMessage("user", "hi"),))
     env = wire(req)
     assert env["v"] == PROTOCOL_VERSION and env["k"] == "generate_request"
-    assert env["b"]["messages"] == [{"role": "user", "content": "hi"}]  # tuple -> array
+    assert env["b"]["messages"] == [{"role": "user", "content": "hi", "tool_calls": [],
+                                     "tool_call_id": None}]  # tuple -> array
     assert env["b"]["sampling"]["stop"] == []
 
 

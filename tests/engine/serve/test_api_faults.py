@@ -202,7 +202,8 @@ def test_parameter_mapping(served, client):
     ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
     ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
-    ({"model": "scripted", "messages": [{"role": "tool", "content": "hi"}]}, "role"),
+    ({"model": "scripted", "messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ({"model": "scripted", "messages": [{"role": "tool", "content": "hi"}]}, "tool_call_id"),
     ({"model": "scripted", "messages": []}, "messages"),
     ({"model": "scripted"}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "model"),
@@ -221,9 +222,8 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("url,extra,param,code", [
-    ("chat", {"tools": [TOOL]}, "tools", "unsupported_value"),
-    ("chat", {"tool_choice": "required"}, "tool_choice", "unsupported_value"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
+    ("chat", {"functions": [TOOL["function"]]}, "functions", "unsupported_value"),  # the old form of tools
+    ("chat", {"function_call": "auto"}, "function_call", "unsupported_value"),
     ("chat", {"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_value"),
     ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
     ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_value"),
@@ -259,8 +259,8 @@ def test_fields_at_the_value_that_asks_for_nothing_are_taken(served, client):
 
 def test_the_openai_client_sees_which_field_was_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="scripted", messages=HI, tools=[TOOL], tool_choice="auto")
-    assert e.value.status_code == 400 and e.value.body["param"] == "tool_choice"  # first in name order
+        client.chat.completions.create(model="scripted", messages=HI, logit_bias={"5": 1}, function_call="auto")
+    assert e.value.status_code == 400 and e.value.body["param"] == "function_call"  # first in name order
 
 
 @pytest.mark.parametrize("content,ctype", [
