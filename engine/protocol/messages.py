@@ -178,12 +178,15 @@ class Usage:
     KIND: ClassVar[str] = "usage"
     prompt_tokens: int  # tokens the engine read (after templating)
     completion_tokens: int  # tokens it generated
+    cached_tokens: int = 0  # of the prompt tokens, those whose KV came from an earlier request
 
     def __post_init__(self) -> None:
         _require(_is_int(self.prompt_tokens) and 0 <= self.prompt_tokens <= MAX_COUNT,
                  "bad prompt_tokens")
         _require(_is_int(self.completion_tokens) and 0 <= self.completion_tokens <= MAX_COUNT,
                  "bad completion_tokens")
+        _require(_is_int(self.cached_tokens) and 0 <= self.cached_tokens <= self.prompt_tokens,
+                 "cached_tokens must be an integer in 0..prompt_tokens")
 
     @property
     def total_tokens(self) -> int:

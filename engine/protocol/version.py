@@ -12,5 +12,5 @@ rule tightened) bumps it, because decoding is strict about the field set.
 #    which agents now answer where they said "overloaded" with the reason in the text
 # 5: SamplingParams.logprobs and TokenEvent.logprobs (TokenLogprob); the "tool" role,
 #    ChatMessage.tool_calls / tool_call_id (ToolCall); GenerateRequest tools (ToolSpec),
-#    tool_choice, forced_tool, json_schema
+#    tool_choice, forced_tool, json_schema; Usage.cached_tokens (prompt caching)
 PROTOCOL_VERSION: int = 5

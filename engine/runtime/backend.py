@@ -19,6 +19,7 @@ BACKENDS = ("openvino", "torch")
 
 class ModelStream(Protocol):
     past: int  # tokens already in this stream's KV state
+    # (optional) cached: how many of them an earlier request left for this prompt (prompt caching)
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Append ids to the state; return the last position's logits, float32 [vocab]."""
@@ -34,7 +35,9 @@ class ModelBackend(Protocol):
     device: str  # where it runs, e.g. "CPU"
     model_dir: Path  # folder holding config.json and the tokenizer
 
-    def new_stream(self) -> ModelStream: ...
+    def new_stream(self, prompt_ids: Sequence[int] = ()) -> ModelStream:
+        """A stream for a request with this prompt; a backend with a prompt cache may
+        open it with the prompt's first ids already in its KV state (stream.cached)."""
 
     def close(self) -> None: ...
 

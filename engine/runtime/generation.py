@@ -40,6 +40,7 @@ class Generation:
     t_start: float | None = None  # prefill began
     t_first: float | None = None  # first token picked
     prefilled: int = 0  # prompt tokens already in the KV state
+    cached: int = 0  # of them, taken over from an earlier request with the stream (prompt caching)
     output_ids: list[int] = field(default_factory=list)  # generated tokens
     pending: int | None = None  # last token, not yet fed to the model
     logits: np.ndarray | None = None  # float32 [vocab] for the next pick
@@ -63,7 +64,10 @@ class Generation:
             detok=Detokenizer(tokenizer, prompt_ids, s.stop, frozenset() if s.ignore_eos else eos_ids),
             max_new=min(s.max_tokens, context_length - len(prompt_ids)), chunk=chunk,
             t_submit=time.perf_counter() if t_submit is None else t_submit,
-            constraint=_constraint.for_request(request, tokenizer, eos_ids, tool_format.of(tokenizer)))
+            constraint=_constraint.for_request(request, tokenizer, eos_ids, tool_format.of(tokenizer)),
+            # a stream that kept an earlier request's KV for this prompt's first ids (the OpenVINO
+            # backend's prompt cache) says how many; other streams start empty
+            prefilled=getattr(stream, "cached", 0), cached=getattr(stream, "cached", 0))
 
     @property
     def request_id(self) -> str:
@@ -149,7 +153,7 @@ def finished(gen: Generation, reason: str, text: str = "", token_ids: tuple[int,
     if reason in ("cancelled", "error") and not gen.detok.done:
         text += gen.detok.finish() if reason == "cancelled" else ""
     return TokenEvent(gen.request_id, text=text, token_ids=token_ids, finish_reason=reason,
-                      usage=Usage(len(gen.prompt_ids), len(gen.output_ids)),
+                      usage=Usage(len(gen.prompt_ids), len(gen.output_ids), gen.cached),
                       timings=timings(gen), error=error, logprobs=logprobs)
 
 

@@ -49,6 +49,8 @@ from engine.runtime.ov_weights import WeightsError, checkpoint_dtype, compress_i
 
 IR_NAME = "openvino_model.xml"
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class OVConfig:
@@ -191,16 +193,21 @@ def compile_config(device: str, precision: str, cache_dir: Path | None) -> dict[
 class OVStream:
     """One request's view of the model: its own InferRequest and KV state.
 
-    `release(req)` is called with the InferRequest when the stream closes (the model's
-    pool of idle requests); without one the request is simply dropped."""
+    `release(req, fed)` is called with the InferRequest and the ids it holds when the
+    stream closes (the model's pool of idle requests); without one the request is simply
+    dropped. A stream opened on a request that already holds the first `reuse` ids of
+    this prompt (a follow-up turn) keeps their KV and prefills only the rest."""
 
     def __init__(self, compiled, input_names: set[str], chunk: int, req=None,
-                 release: Callable[[Any], None] | None = None) -> None:
+                 release: Callable[[Any, list[int]], None] | None = None,
+                 reuse: int = 0, held: Sequence[int] = ()) -> None:
         self.req = req if req is not None else compiled.create_infer_request()
-        self.req.reset_state()
+        reuse = _keep_prefix(self.req, reuse, len(held))
         self.names = input_names
         self.chunk = chunk
-        self.past = 0  # tokens in the KV state
+        self.past = reuse  # tokens in the KV state
+        self.cached = reuse  # of them, taken over from an earlier request (prompt caching)
+        self.fed: list[int] = list(held[:reuse])  # the ids in the KV state, in order
         self._release = release
 
     def _run(self, ids: np.ndarray) -> np.ndarray:
@@ -218,6 +225,7 @@ class OVStream:
             feed[LOGITS_TO_KEEP] = _LAST_ONLY
         self.req.infer(feed)
         self.past += n
+        self.fed.extend(int(t) for t in ids[0])
         logits = self.req.get_tensor("logits").data  # [1, n or 1, vocab]
         return np.array(logits[0, -1], dtype=np.float32)  # [vocab], a copy
 
@@ -236,7 +244,36 @@ class OVStream:
     def close(self) -> None:
         req, self.req = self.req, None
         if req is not None and self._release is not None:
-            self._release(req)
+            self._release(req, self.fed)
+
+
+def _keep_prefix(req: Any, reuse: int, held: int) -> int:
+    """Keep the first `reuse` of the `held` positions of req's KV state (0: reset it).
+    Returns how many were kept: a state that cannot be trimmed is reset instead."""
+    if reuse <= 0:
+        req.reset_state()
+        return 0
+    if reuse < held:
+        try:
+            from engine.speculative.kv import trim_state
+
+            trim_state(req, reuse)  # [batch, kv_heads, T, head_dim] -> first `reuse` positions
+        except Exception:  # e.g. a bf16 state numpy cannot hold: no reuse, still correct
+            log.debug("prompt cache: trimming the KV state failed; prefilling in full", exc_info=True)
+            req.reset_state()
+            return 0
+    return reuse
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    same = np.asarray(a[:n]) == np.asarray(b[:n])
+    return n if bool(same.all()) else int(np.argmin(same))
+
+
+MIN_REUSE = 16  # a shorter shared prefix (a system prompt's first words) is not worth a trim
 
 
 _LAST_ONLY = np.ones(1, dtype=np.int64)  # logits_to_keep = [1]
@@ -298,17 +335,28 @@ class OVModel:
         self._lock = threading.Lock()
         report("model ready", 1.0)
 
-    def new_stream(self) -> OVStream:
-        """A stream on an idle InferRequest when there is one (its state is reset): a fresh
-        request re-grows its buffers token by token, measured 3-5x slower at first."""
+    def new_stream(self, prompt_ids: Sequence[int] = ()) -> OVStream:
+        """A stream on an idle InferRequest when there is one: a fresh request re-grows its
+        buffers token by token, measured 3-5x slower at first. Prompt caching: the idle
+        request whose KV state shares the longest prefix with prompt_ids (at least
+        MIN_REUSE ids, never the whole prompt: its last id must run to give logits) keeps
+        that prefix; any other idle request is reset."""
         with self._lock:
-            req = self._idle.pop() if self._idle else None
-        return OVStream(self._compiled, self.input_names, self.chunk, req, self._give_back)
+            best, reuse = (len(self._idle) - 1, 0) if self._idle else (None, 0)
+            for i, (_req, held) in enumerate(self._idle):
+                n = min(common_prefix(held, prompt_ids), len(prompt_ids) - 1)
+                if n >= MIN_REUSE and n > reuse:
+                    best, reuse = i, n
+            req, held = self._idle.pop(best) if best is not None else (None, [])
+        return OVStream(self._compiled, self.input_names, self.chunk, req, self._give_back, reuse, held)
 
-    def _give_back(self, req: Any) -> None:
+    def _give_back(self, req: Any, fed: list[int]) -> None:
+        """Keep a finished stream's request, and what its KV state holds, for later
+        streams; the oldest goes when the pool is full (pool_size bounds the memory)."""
         with self._lock:
-            if self._compiled is not None and len(self._idle) < self.pool_size:
-                self._idle.append(req)
+            if self._compiled is not None and self.pool_size > 0:
+                self._idle.append((req, list(fed)))
+                del self._idle[:-self.pool_size]
 
     def close(self) -> None:
         with self._lock:

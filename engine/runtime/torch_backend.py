@@ -73,7 +73,7 @@ class TorchModel:
         self.model_dir = Path(model_path)
         report("model ready", 1.0)
 
-    def new_stream(self) -> TorchStream:
+    def new_stream(self, prompt_ids: Sequence[int] = ()) -> TorchStream:  # no prompt cache
         return TorchStream(self.model)
 
     def close(self) -> None:

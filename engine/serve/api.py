@@ -215,10 +215,16 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose KV was kept from an earlier request "
+                                           "(prompt caching: only the rest was prefilled)")
+
+
 class UsageOut(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class FunctionCallOut(BaseModel):
@@ -402,10 +408,12 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
-def _usage(final: TokenEvent | None) -> dict[str, int]:
+def _usage(final: TokenEvent | None) -> dict[str, Any]:
     p = final.usage.prompt_tokens if final and final.usage else 0
     c = final.usage.completion_tokens if final and final.usage else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = final.usage.cached_tokens if final and final.usage else 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _refused_prompt(final: TokenEvent) -> bool:

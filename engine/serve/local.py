@@ -188,7 +188,7 @@ class LocalEngine(Engine):
         stream = None
         try:
             ids = request_ids(self.tokenizer, request)
-            stream = self.spec.new_stream(request) or self.backend.new_stream()
+            stream = self.spec.new_stream(request) or self.backend.new_stream(ids)
             gen = Generation.create(request, ids, stream, self.tokenizer, self.eos_ids,
                                     self.context_length, self.prefill_chunk, t_submit)
             if isinstance(stream, MaskedOVStream):

@@ -18,7 +18,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -131,7 +131,7 @@ class SparseBackend:
             self.rt.cache.tick += 1
             self.rt.cache.insert(l, ids, self.rt.store.read(l, ids))
 
-    def new_stream(self) -> TorchStream:
+    def new_stream(self, prompt_ids: Sequence[int] = ()) -> TorchStream:  # no prompt cache
         self.rt.forget_sequence()
         return TorchStream(self.model)
 

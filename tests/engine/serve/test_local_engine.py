@@ -105,7 +105,7 @@ def test_failing_request_does_not_kill_the_engine(engine, monkeypatch):
 
         close = lambda self: None  # noqa: E731
 
-    monkeypatch.setattr(engine.backend, "new_stream", lambda: Broken())
+    monkeypatch.setattr(engine.backend, "new_stream", lambda prompt_ids=(): Broken())
     _, _, final = collect(engine.generate(req("boom")))
     assert final.finish_reason == "error" and "boom" in final.error
     monkeypatch.setattr(engine.backend, "new_stream", real)

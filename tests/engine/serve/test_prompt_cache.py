@@ -1,0 +1,92 @@
+"""Prompt caching on the local engine (OpenVINO): a follow-up turn keeps the KV of the
+conversation so far and prefills only what is new, reports it as cached_tokens, and
+answers exactly what transformers answers from the whole prompt (greedy, f32)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from engine_helpers import chat, collect, reference_greedy
+
+from engine.protocol import GenerateRequest, SamplingParams
+from engine.runtime.chat import chat_ids
+from engine.runtime.ov_backend import MIN_REUSE
+from engine.serve.api import ApiServer, create_app
+from engine.serve.local import LocalEngine
+
+SYSTEM = ("system", "You answer questions about the water of the world. " * 12)
+N = 12
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = LocalEngine.from_spec("demo", precision="f32")
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def _ask(engine, rid: str, messages, n: int = N):
+    req = GenerateRequest(rid, messages=messages, sampling=SamplingParams(max_tokens=n))
+    return collect(engine.stream(engine.submit(req), timeout=120))
+
+
+def _check_against_transformers(engine, demo_dir, messages, got: list[int]) -> None:
+    ids = chat_ids(engine.tokenizer, messages)
+    assert got == reference_greedy(demo_dir("demo"), ids, len(got))[:len(got)]
+
+
+def test_a_follow_up_turn_prefills_only_what_is_new(engine, demo_dir):
+    first = chat(SYSTEM, ("user", "Tell me about rivers."))
+    ids1, text1, end1 = _ask(engine, "t1", first)
+    assert end1.usage.cached_tokens == 0
+    second = first + chat(("assistant", text1), ("user", "And lakes?"))
+    ids2, _, end2 = _ask(engine, "t2", second)
+    # the first prompt and the answer's tokens but its last (never fed back) are reused
+    assert end2.usage.cached_tokens >= end1.usage.prompt_tokens
+    assert end2.usage.cached_tokens < end2.usage.prompt_tokens
+    _check_against_transformers(engine, demo_dir, second, ids2)
+
+
+def test_an_edited_last_turn_keeps_the_shared_part_only(engine, demo_dir):
+    base = chat(SYSTEM, ("user", "Tell me about the sea."))
+    _ask(engine, "e1", base)
+    edited = chat(SYSTEM, ("user", "Tell me about the moon instead."))
+    ids, _, end = _ask(engine, "e2", edited)
+    shared = len(chat_ids(engine.tokenizer, chat(SYSTEM)))  # at least the system turn is shared
+    assert shared <= end.usage.cached_tokens < len(chat_ids(engine.tokenizer, base))
+    _check_against_transformers(engine, demo_dir, edited, ids)
+
+
+def test_the_same_prompt_again_is_answered_the_same(engine):
+    msgs = chat(SYSTEM, ("user", "Name a river."))
+    ids1, _, _ = _ask(engine, "s1", msgs)
+    ids2, _, end = _ask(engine, "s2", msgs)
+    assert ids1 == ids2 and end.usage.cached_tokens == end.usage.prompt_tokens - 1  # the last one must run
+
+
+def test_the_cache_is_bounded_and_the_oldest_goes(engine):
+    """The engine keeps as many conversations as its pool of idle requests (2): a third
+    one pushes the oldest out, whose follow-up is then prefilled in full."""
+    convs = [chat(SYSTEM, ("user", f"Question number {i} about water, please.")) for i in range(3)]
+    ends = [_ask(engine, f"b{i}", c)[2] for i, c in enumerate(convs)]
+    assert engine.backend.pool_size == 2
+    again = [_ask(engine, f"b{i}x", convs[i])[2] for i in (2, 0)]
+    assert again[0].usage.cached_tokens > ends[2].usage.prompt_tokens // 2  # kept
+    # the first conversation was evicted: only the shared system turn can come from elsewhere
+    assert again[1].usage.cached_tokens <= len(chat_ids(engine.tokenizer, chat(SYSTEM))) + MIN_REUSE
+
+
+def test_the_api_reports_cached_tokens(engine):
+    srv = ApiServer(create_app(engine)).start()
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        msgs = [{"role": SYSTEM[0], "content": SYSTEM[1]}, {"role": "user", "content": "Why is the sea salty?"}]
+        a = client.chat.completions.create(model="demo", messages=msgs, max_tokens=8, temperature=0)
+        msgs += [{"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+        b = client.chat.completions.create(model="demo", messages=msgs, max_tokens=8, temperature=0)
+    finally:
+        srv.stop()
+    assert a.usage.prompt_tokens_details.cached_tokens < a.usage.prompt_tokens  # a new question: not all of it
+    assert b.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens
