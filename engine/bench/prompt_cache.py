@@ -1,0 +1,122 @@
+"""`flotilla bench prompt-cache`: what the local engine's prompt cache saves a chat.
+
+A conversation with a long history (--history tokens, default 2 000, text from the
+demo corpus, a different one each round) on a model of real size (--model, default
+the 0.90 B random Llama of `bench local`, bf16 checkpoint, the engine's default
+precision): turn 1 asks a question; turn 2 adds turn 1's answer and a new question.
+Per round:
+
+- turn 1's time to first token (everything prefilled);
+- turn 2 with the cache: its TTFT and cached_tokens (what was not prefilled again);
+- turn 2 without it (the same engine, its idle-request pool emptied and set to 0):
+  its TTFT, and whether its answer's token ids equal the cached answer's (greedy).
+
+`goal` is the issue's bar: cached_tokens >= 1 900 of a 2 000-token history and turn 2's
+TTFT <= 0.3x turn 1's, with identical answers. Random weights: the answers are
+gibberish of a fixed length (--answer tokens, ignore_eos), which is all a KV cache sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+NAME = "prompt-cache"
+HELP = "prompt caching on the local engine: a 2 000-token chat's second turn, TTFT with and without the cache"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="random-llama-0.9b",
+                   help="a random-Llama preset (random-llama-0.9b, random-llama-tiny), a demo id or a model folder")
+    p.add_argument("--history", type=int, default=None, help="history tokens before turn 1's question "
+                                                             "(default 2000; quick 600)")
+    p.add_argument("--answer", type=int, default=16, help="tokens per answer (default 16)")
+    p.add_argument("--rounds", type=int, default=None, help="conversations (default 3; quick 1)")
+
+
+def _model(spec: str, report: Callable[[str], None]) -> str:
+    from engine.bench._local_llama import PRESETS, ensure_random_llama
+
+    if spec in PRESETS:
+        return str(ensure_random_llama(PRESETS[spec], report))
+    return spec
+
+
+def _history(tokenizer: Any, tokens: int, round_: int) -> list[tuple[str, str]]:
+    """Alternating user/assistant turns of corpus text, about `tokens` long in all."""
+    from engine.models.demo_corpus import build_corpus
+
+    text = "\n".join(build_corpus().texts(held_out=False))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    start = (round_ * 7919 * 13) % max(1, len(ids) - tokens - 1)
+    turns, at, i = [], start, 0
+    per = max(50, tokens // 8)
+    while at < start + tokens:
+        turns.append(("user" if i % 2 == 0 else "assistant", tokenizer.decode(ids[at:at + per])))
+        at, i = at + per, i + 1
+    if turns[-1][0] == "user":
+        turns.append(("assistant", "I see."))
+    return turns
+
+
+def _ask(engine: Any, rid: str, turns: list[tuple[str, str]], n: int) -> tuple[list[int], Any]:
+    from engine.protocol import ChatMessage, GenerateRequest, SamplingParams
+
+    req = GenerateRequest(rid, messages=tuple(ChatMessage(r, c) for r, c in turns),
+                          sampling=SamplingParams(max_tokens=n, ignore_eos=True))
+    events = list(engine.stream(engine.submit(req), timeout=900))
+    final = events[-1]
+    if final.finish_reason == "error":
+        raise RuntimeError(f"the engine failed: {final.error}")
+    return [t for e in events for t in e.token_ids], final
+
+
+def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    from engine.serve.local import LocalEngine
+
+    history = args.history or (600 if args.quick else 2000)
+    rounds = args.rounds or (1 if args.quick else 3)
+    path = _model(args.model, report)
+    report(f"opening {Path(path).name} (export and compile on first use)")
+    engine = LocalEngine.from_spec(path)
+    pool = engine.backend.pool_size
+    rows = []
+    try:
+        _ask(engine, "warm", [("user", "Hello")], 4)
+        for r in range(rounds):
+            turns = _history(engine.tokenizer, history, r)
+            q1 = turns + [("user", "What did we talk about?")]
+            ids1, end1 = _ask(engine, f"r{r}t1", q1, args.answer)
+            q2 = q1 + [("assistant", engine.tokenizer.decode(ids1, skip_special_tokens=True)),
+                       ("user", "And what else?")]
+            ids2, end2 = _ask(engine, f"r{r}t2", q2, args.answer)
+            engine.backend.pool_size = 0  # no cache: turn 2 again from nothing
+            engine.backend._idle.clear()
+            ids3, end3 = _ask(engine, f"r{r}t2-nocache", q2, args.answer)
+            engine.backend.pool_size = pool
+            row = {"history_tokens": end1.usage.prompt_tokens, "turn2_prompt_tokens": end2.usage.prompt_tokens,
+                   "turn2_cached_tokens": end2.usage.cached_tokens, "uncached_cached_tokens": end3.usage.cached_tokens,
+                   "turn1_ttft_s": round(end1.timings.ttft_s, 4), "turn2_ttft_s": round(end2.timings.ttft_s, 4),
+                   "turn2_uncached_ttft_s": round(end3.timings.ttft_s, 4),
+                   "identical": ids2 == ids3}
+            row["turn2_over_turn1"] = round(row["turn2_ttft_s"] / row["turn1_ttft_s"], 4)
+            row["cached_over_uncached"] = round(row["turn2_ttft_s"] / row["turn2_uncached_ttft_s"], 4)
+            rows.append(row)
+            report(f"round {r + 1}: {row}")
+    finally:
+        engine.close()
+
+    def med(key: str) -> float:
+        return statistics.median(x[key] for x in rows)
+
+    goal = {"cached_at_least_1900_of_2000": all(x["turn2_cached_tokens"] >= 0.95 * history for x in rows),
+            "ttft_at_most_0.3x": med("turn2_over_turn1") <= 0.3,
+            "identical": all(x["identical"] for x in rows)}
+    return {"model": Path(path).name, "history": history, "answer_tokens": args.answer, "pool_size": pool,
+            "rounds": rows, "turn2_over_turn1": med("turn2_over_turn1"),
+            "cached_over_uncached": med("cached_over_uncached"), "turn1_ttft_s": med("turn1_ttft_s"),
+            "turn2_ttft_s": med("turn2_ttft_s"), "turn2_uncached_ttft_s": med("turn2_uncached_ttft_s"),
+            "turn2_cached_tokens": med("turn2_cached_tokens"), "goal": goal,
+            "passed": all(goal.values())}
