@@ -38,5 +38,19 @@ GRAMMAR = Table("api-grammar", ("mask per token (compute + apply) and compile pe
         HOW + "; interleaved rounds, median over rounds and runs"),
 ))
 
+P = "prompt-cache"
+PHOW = "`flotilla bench prompt-cache` (0.9 B random Llama, bf16, default precision; answers of 16 tokens)"
+
+PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long history", "measured", "how"), (
+    Row("history (turn 1's prompt) / turn 2's prompt", "{%s:rounds.0.history_tokens|int} / "
+        "{%s:rounds.0.turn2_prompt_tokens|int} tokens (first round)" % (P, P), PHOW),
+    Row("turn 2's prompt tokens taken from the cache (`cached_tokens`)", "{%s:turn2_cached_tokens|int}" % P, PHOW),
+    Row("time to first token: turn 1 / turn 2 cached / turn 2 uncached",
+        "{%s:turn1_ttft_s|ms} ms / {%s:turn2_ttft_s|ms} ms / {%s:turn2_uncached_ttft_s|ms} ms" % (P, P, P), PHOW),
+    Row("turn 2 cached over turn 1 (goal ≤ 0.3×); over turn 2 uncached",
+        "{%s:turn2_over_turn1|x}; {%s:cached_over_uncached|x}" % (P, P), PHOW),
+    Row("cached and uncached answers identical (greedy)", "{%s:goal.identical}" % P, PHOW),
+))
+
 FILE = REPO_ROOT / "docs" / "api.md"
-TABLES = (GRAMMAR,)
+TABLES = (GRAMMAR, PROMPT_CACHE)

@@ -14,6 +14,10 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{local-quick:engine.demo-moe.decode_tok_s|int} (`demo-moe`)", Q.format("local")),
     Row("local engine, time to first token (warm engine)",
         "{local-quick:engine.demo.ttft_ms|f1} ms (`demo`)", Q.format("local")),
+    Row("prompt caching: a chat's second turn after a 2 000-token history (0.9 B random Llama)",
+        "time to first token {prompt-cache:turn1_ttft_s|ms} ms → {prompt-cache:turn2_ttft_s|ms} ms "
+        "({prompt-cache:turn2_over_turn1|x}), {prompt-cache:turn2_cached_tokens|int} prompt tokens not prefilled "
+        "again; same answer: {prompt-cache:goal.identical}", "`flotilla bench prompt-cache`"),
     Row("local engine vs `openvino_genai.LLMPipeline`, same IR (0.9 B random Llama), 6 interleaved rounds "
         "in one process; ours / genai",
         "decode {local:side_by_side.ours_vs_genai.decode_tok_s|x} "

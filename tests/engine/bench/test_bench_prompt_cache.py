@@ -1,0 +1,26 @@
+"""`flotilla bench prompt-cache` at a tiny size: every figure is there and consistent.
+No speed assertions: the real figures come from running the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from engine.bench import prompt_cache
+
+
+def test_prompt_cache_bench_reports_consistent_figures():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    prompt_cache.add_arguments(p)
+    args = p.parse_args(["--quick", "--model", "random-llama-tiny", "--history", "300", "--answer", "6",
+                         "--rounds", "2"])
+    out = prompt_cache.run(args, lambda _line: None)
+    json.dumps(out, allow_nan=False)
+    assert len(out["rounds"]) == 2 and out["history"] == 300
+    for row in out["rounds"]:
+        assert row["identical"] is True  # the cached answer is the uncached one
+        assert row["uncached_cached_tokens"] == 0  # with the pool emptied nothing is reused
+        assert row["history_tokens"] <= row["turn2_cached_tokens"] < row["turn2_prompt_tokens"]
+        assert row["turn2_over_turn1"] == round(row["turn2_ttft_s"] / row["turn1_ttft_s"], 4)
+    assert out["goal"]["identical"] is True and out["passed"] == all(out["goal"].values())
