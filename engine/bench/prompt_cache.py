@@ -3,12 +3,13 @@
 A conversation with a long history (--history tokens, default 2 000, text from the
 demo corpus, a different one each round) on a model of real size (--model, default
 the 0.90 B random Llama of `bench local`, bf16 checkpoint, the engine's default
-precision): turn 1 asks a question; turn 2 adds turn 1's answer and a new question.
+precision), on the local engine or (--engine pipeline) 2 local stage processes:
+turn 1 asks a question; turn 2 adds turn 1's answer and a new question.
 Per round:
 
 - turn 1's time to first token (everything prefilled);
 - turn 2 with the cache: its TTFT and cached_tokens (what was not prefilled again);
-- turn 2 without it (the same engine, its idle-request pool emptied and set to 0):
+- turn 2 without it (the same engine with its prompt cache set to 0):
   its TTFT, and whether its answer's token ids equal the cached answer's (greedy).
 
 `goal` is the issue's bar: cached_tokens >= 1 900 of a 2 000-token history and turn 2's
@@ -34,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                              "(default 2000; quick 600)")
     p.add_argument("--answer", type=int, default=16, help="tokens per answer (default 16)")
     p.add_argument("--rounds", type=int, default=None, help="conversations (default 3; quick 1)")
+    p.add_argument("--engine", choices=("local", "pipeline"), default="local",
+                   help="the local engine, or a pipeline of 2 local stage processes (default local)")
 
 
 def _model(spec: str, report: Callable[[str], None]) -> str:
@@ -73,15 +76,29 @@ def _ask(engine: Any, rid: str, turns: list[tuple[str, str]], n: int) -> tuple[l
     return [t for e in events for t in e.token_ids], final
 
 
+def _cache(engine: Any, size: int) -> None:
+    """Set how many finished streams the engine keeps for prompt caching (0 drops them)."""
+    if hasattr(engine, "set_prompt_cache"):  # the pipeline: parked streams on the stages
+        engine.set_prompt_cache(size)
+    else:  # the local engine: its pool of idle requests
+        engine.backend.set_prompt_cache(size)
+
+
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.serve.local import LocalEngine
 
     history = args.history or (600 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)
     path = _model(args.model, report)
-    report(f"opening {Path(path).name} (export and compile on first use)")
-    engine = LocalEngine.from_spec(path)
-    pool = engine.backend.pool_size
+    report(f"opening {Path(path).name} on the {args.engine} engine (export and compile on first use)")
+    if args.engine == "pipeline":
+        from engine.serve.factory import EngineOptions, open_engine
+
+        engine = open_engine(path, "pipeline", EngineOptions(extra={"stages": 2, "max_concurrent": 2}))
+        pool = engine.parked.capacity
+    else:
+        engine = LocalEngine.from_spec(path)
+        pool = engine.backend.pool_size
     rows = []
     try:
         _ask(engine, "warm", [("user", "Hello")], 4)
@@ -92,10 +109,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             q2 = q1 + [("assistant", engine.tokenizer.decode(ids1, skip_special_tokens=True)),
                        ("user", "And what else?")]
             ids2, end2 = _ask(engine, f"r{r}t2", q2, args.answer)
-            engine.backend.pool_size = 0  # no cache: turn 2 again from nothing
-            engine.backend._idle.clear()
+            _cache(engine, 0)  # no cache: turn 2 again from nothing
             ids3, end3 = _ask(engine, f"r{r}t2-nocache", q2, args.answer)
-            engine.backend.pool_size = pool
+            _cache(engine, pool)
             row = {"history_tokens": end1.usage.prompt_tokens, "turn2_prompt_tokens": end2.usage.prompt_tokens,
                    "turn2_cached_tokens": end2.usage.cached_tokens, "uncached_cached_tokens": end3.usage.cached_tokens,
                    "turn1_ttft_s": round(end1.timings.ttft_s, 4), "turn2_ttft_s": round(end2.timings.ttft_s, 4),
@@ -114,7 +130,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     goal = {"cached_at_least_1900_of_2000": all(x["turn2_cached_tokens"] >= 0.95 * history for x in rows),
             "ttft_at_most_0.3x": med("turn2_over_turn1") <= 0.3,
             "identical": all(x["identical"] for x in rows)}
-    return {"model": Path(path).name, "history": history, "answer_tokens": args.answer, "pool_size": pool,
+    return {"engine": args.engine, "model": Path(path).name, "history": history, "answer_tokens": args.answer, "pool_size": pool,
             "rounds": rows, "turn2_over_turn1": med("turn2_over_turn1"),
             "cached_over_uncached": med("cached_over_uncached"), "turn1_ttft_s": med("turn1_ttft_s"),
             "turn2_ttft_s": med("turn2_ttft_s"), "turn2_uncached_ttft_s": med("turn2_uncached_ttft_s"),

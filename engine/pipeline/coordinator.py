@@ -31,6 +31,7 @@ error event naming the stage, and new submits are refused with that reason.
 
 from __future__ import annotations
 
+import dataclasses
 import collections
 import itertools
 import logging
@@ -59,6 +60,7 @@ from engine.protocol.pipeline import (
 )
 from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
+from engine.pipeline.prompt_cache import Parked, ParkedStreams
 from engine.runtime.generation import Generation, accept, finished, pick
 from engine.serve.interface import Engine, EngineError, EngineInfo
 from engine.runtime import tool_format
@@ -71,6 +73,7 @@ COORD_IDENTITY = b"coord"  # workers answer senders whose identity starts with t
 @dataclass(frozen=True)
 class PipelineConfig:
     max_concurrent: int = 8  # streams in the ring at once (each holds KV on every stage); more wait
+    prompt_cache: int = 2  # finished streams kept on the stages for follow-up prompts (within max_concurrent)
     prefill_chunk: int = 512  # prompt tokens per step
     context_length: int | None = None  # cap on prompt + answer tokens; None = the model's own
     return_bind: str = "tcp://127.0.0.1:*"  # where the last stage sends results (* = a free port)
@@ -137,6 +140,7 @@ class _Flight:
     in_flight: int = 0  # tokens of the step now in the ring; 0 = none
     sent_at: float = 0.0  # perf_counter when that step left
     spec: Any = None  # engine.pipeline.speculative.StreamSpeculation, or None (no speculation)
+    keep: int | None = None  # a parked stream taken over: its first step keeps only this many tokens
 
 
 @dataclass
@@ -157,6 +161,8 @@ class PipelineEngine(Engine):
             raise EngineError("a pipeline needs at least one stage")
         if config.max_concurrent < 1:
             raise ValueError("max_concurrent must be at least 1")
+        self.parked = ParkedStreams(config.prompt_cache)  # finished streams kept for follow-ups
+        self._parked_want: int | None = None  # a new capacity, applied by the coordinator thread
         from engine.serve.local import context_from_config
 
         self.stages = list(stages)
@@ -327,6 +333,12 @@ class PipelineEngine(Engine):
         if self._on_close is not None:
             self._on_close()
 
+    def set_prompt_cache(self, streams: int) -> None:
+        """Park at most this many finished streams from now on (0: none); the ones over it
+        are freed on every stage before the next step goes out."""
+        self._parked_want = max(0, int(streams))
+        self._wake()
+
     def _wake(self) -> None:
         with self._wake_lock:
             if self._wake_tx.closed:
@@ -359,10 +371,18 @@ class PipelineEngine(Engine):
                 self._drop_cancelled(waiting, active)
                 if self._broken:
                     self._fail_all(waiting, active, self._broken)
+                want, self._parked_want = self._parked_want, None
+                if want is not None:
+                    self.parked.capacity = want
+                    self._to_free += self.parked.evict(len(self.parked) - want)
                 while waiting and len(active) < self.config.max_concurrent:
-                    flight = self._admit(*waiting.popleft())
+                    flight = self._admit(*waiting.popleft())  # may take over a parked stream
                     if flight is not None:
                         active[flight.stream_id] = flight
+                    # parked streams hold KV like running ones: give their room back, and free
+                    # them before any new stream's first step goes out
+                    self._to_free += self.parked.evict(len(active) + len(self.parked) - self.config.max_concurrent)
+                self._flush_free()
                 for flight in active.values():
                     if not flight.in_flight:
                         self._send_step(flight)
@@ -426,7 +446,12 @@ class PipelineEngine(Engine):
                                   usage=Usage(0, 0)))
             return None
         sample = s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None or request.constrained
-        return _Flight(gen, f"s{next(self._ids)}", sample=sample, spec=spec)
+        found = self.parked.take(ids) if spec is None else None
+        if found is None:
+            return _Flight(gen, f"s{next(self._ids)}", sample=sample, spec=spec)
+        parked, keep = found
+        gen.prefilled = gen.cached = keep
+        return _Flight(gen, parked.stream_id, sample=sample, seq=parked.seq, past=parked.past, keep=keep)
 
     def _send_step(self, f: _Flight) -> None:
         if self.recovery.hold_send(f):  # paused by a recovery, or a replay chunk sent
@@ -445,6 +470,10 @@ class PipelineEngine(Engine):
             ids, final = [gen.pending], True
         step = StageStep(f.stream_id, f.seq, f.past, reset=f.past == 0, want_token=final,
                          want_logits=final and f.sample)
+        if f.keep is not None:  # a parked stream taken over: drop what it holds past the shared prefix
+            cut = (f.keep, f.past) if f.keep < f.past else ()
+            step = dataclasses.replace(step, position=f.keep, hide=cut, compact=bool(cut))
+            f.past, f.keep = f.keep, None
         if gen.t_start is None:
             gen.t_start = time.perf_counter()
         f.in_flight, f.sent_at = len(ids), time.perf_counter()
@@ -555,7 +584,11 @@ class PipelineEngine(Engine):
             except Exception:  # never let speculation bookkeeping keep a request from ending
                 log.exception("pipeline: closing the speculation of %s failed", f.stream_id)
         active.pop(f.stream_id, None)
-        self._to_free.append(f.stream_id)
+        if f.spec is None and event.finish_reason in ("stop", "length") and not self._broken:
+            ids = (list(f.gen.prompt_ids) + list(f.gen.output_ids))[:f.past]
+            self._to_free += self.parked.park(Parked(f.stream_id, f.seq, f.past, tuple(ids)))
+        else:
+            self._to_free.append(f.stream_id)
         self._emit(event)
 
     def _flush_free(self) -> None:

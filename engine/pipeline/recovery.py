@@ -431,6 +431,8 @@ class RingRecovery:
         active: dict = getattr(e, "_active", {})
         flights = list(active.values())
         old_ids = [f.stream_id for f in flights] + list(getattr(e, "_to_free", []))
+        parked = getattr(e, "parked", None)
+        old_ids += parked.clear() if parked is not None else []  # their KV is gone with the lost stage
         e._to_free = []
         for k in range(0, len(old_ids), MAX_FREE):
             msg = StageFree(tuple(old_ids[k:k + MAX_FREE]))
@@ -512,6 +514,7 @@ def reset_flight(f: Any, stream_id: str) -> None:
     f.stream_id = stream_id
     f.seq = 0
     f.past = 0
+    f.keep = None  # a fresh stream: nothing parked to trim
     f.in_flight = 0
     f.sent_at = 0.0
     spec = getattr(f, "spec", None)  # speculative decoding (engine/pipeline/speculative.py)

@@ -45,6 +45,7 @@ from engine.runtime.errors import BackendError
 from engine.runtime.ov_compile import VIRTUAL_DEVICES, CompileConfigError
 from engine.runtime.ov_compile import compile_config as device_compile_config
 from engine.runtime.ov_logits import LOGITS_TO_KEEP, add_logits_to_keep
+from engine.runtime.prompt_cache import best_reuse
 from engine.runtime.ov_weights import WeightsError, checkpoint_dtype, compress_ir, export_arguments, resolve_weights
 
 IR_NAME = "openvino_model.xml"
@@ -265,17 +266,6 @@ def _keep_prefix(req: Any, reuse: int, held: int) -> int:
     return reuse
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    same = np.asarray(a[:n]) == np.asarray(b[:n])
-    return n if bool(same.all()) else int(np.argmin(same))
-
-
-MIN_REUSE = 16  # a shorter shared prefix (a system prompt's first words) is not worth a trim
-
-
 _LAST_ONLY = np.ones(1, dtype=np.int64)  # logits_to_keep = [1]
 _EVERY = np.zeros(1, dtype=np.int64)  # logits_to_keep = [0]
 
@@ -338,17 +328,20 @@ class OVModel:
     def new_stream(self, prompt_ids: Sequence[int] = ()) -> OVStream:
         """A stream on an idle InferRequest when there is one: a fresh request re-grows its
         buffers token by token, measured 3-5x slower at first. Prompt caching: the idle
-        request whose KV state shares the longest prefix with prompt_ids (at least
-        MIN_REUSE ids, never the whole prompt: its last id must run to give logits) keeps
-        that prefix; any other idle request is reset."""
+        request whose KV state shares the longest prefix with prompt_ids keeps that
+        prefix (engine/runtime/prompt_cache.py); otherwise an idle request is reset."""
         with self._lock:
-            best, reuse = (len(self._idle) - 1, 0) if self._idle else (None, 0)
-            for i, (_req, held) in enumerate(self._idle):
-                n = min(common_prefix(held, prompt_ids), len(prompt_ids) - 1)
-                if n >= MIN_REUSE and n > reuse:
-                    best, reuse = i, n
+            best, reuse = best_reuse([held for _req, held in self._idle], prompt_ids)
+            if best is None and self._idle:
+                best = len(self._idle) - 1  # the newest idle request, reset
             req, held = self._idle.pop(best) if best is not None else (None, [])
         return OVStream(self._compiled, self.input_names, self.chunk, req, self._give_back, reuse, held)
+
+    def set_prompt_cache(self, requests: int) -> None:
+        """Keep at most this many idle requests (and their KV) from now on; 0 keeps none."""
+        with self._lock:
+            self.pool_size = max(0, int(requests))
+            del self._idle[:max(0, len(self._idle) - self.pool_size)]
 
     def _give_back(self, req: Any, fed: list[int]) -> None:
         """Keep a finished stream's request, and what its KV state holds, for later

@@ -227,21 +227,10 @@ class UsageOut(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-class FunctionCallOut(BaseModel):
-    name: str
-    arguments: str = Field(description="JSON text")
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCallOut] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # the same shape as a client sends back
 
 
 class ChatChoice(BaseModel):

@@ -6,18 +6,21 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from engine.bench import prompt_cache
 
 
-def test_prompt_cache_bench_reports_consistent_figures():
+@pytest.mark.parametrize("engine", ["local", "pipeline"])
+def test_prompt_cache_bench_reports_consistent_figures(engine):
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     prompt_cache.add_arguments(p)
     args = p.parse_args(["--quick", "--model", "random-llama-tiny", "--history", "300", "--answer", "6",
-                         "--rounds", "2"])
+                         "--rounds", "2", "--engine", engine])
     out = prompt_cache.run(args, lambda _line: None)
     json.dumps(out, allow_nan=False)
-    assert len(out["rounds"]) == 2 and out["history"] == 300
+    assert len(out["rounds"]) == 2 and out["history"] == 300 and out["engine"] == engine
     for row in out["rounds"]:
         assert row["identical"] is True  # the cached answer is the uncached one
         assert row["uncached_cached_tokens"] == 0  # with the pool emptied nothing is reused

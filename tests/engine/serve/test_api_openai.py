@@ -15,7 +15,6 @@ import pytest
 
 from engine.models.demo import ensure_demo
 from engine.serve.api import ApiServer, create_app
-from engine.serve.local import LocalEngine
 
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Tell me about the little town by the river."}]
@@ -23,12 +22,8 @@ PROMPT = "Once upon a time there was a"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    eng = LocalEngine.from_spec("demo", precision="f32")
-    try:
-        yield eng
-    finally:
-        eng.close()
+def engine(demo_engine):
+    return demo_engine
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from pydantic import Field
 from schema_helpers import bounded_schemas
 
 from engine.serve.api import ApiServer, create_app
-from engine.serve.local import LocalEngine
 
 SCHEMAS = bounded_schemas(20, seed=11)
 ASK = [{"role": "user", "content": "What is the weather in Oslo? Answer in JSON."}]
@@ -35,14 +34,12 @@ SCHEMA_OF = {"get_weather": WEATHER, "get_time": CLOCK}
 
 
 @pytest.fixture(scope="module")
-def server():
-    eng = LocalEngine.from_spec("demo", precision="f32")
-    srv = ApiServer(create_app(eng)).start()
+def server(demo_engine):
+    srv = ApiServer(create_app(demo_engine)).start()
     try:
         yield srv
     finally:
         srv.stop()
-        eng.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,21 +10,16 @@ from engine_helpers import chat, collect, reference_greedy
 
 from engine.protocol import GenerateRequest, SamplingParams
 from engine.runtime.chat import chat_ids
-from engine.runtime.ov_backend import MIN_REUSE
+from engine.runtime.prompt_cache import MIN_REUSE
 from engine.serve.api import ApiServer, create_app
-from engine.serve.local import LocalEngine
 
 SYSTEM = ("system", "You answer questions about the water of the world. " * 12)
 N = 12
 
 
 @pytest.fixture(scope="module")
-def engine():
-    eng = LocalEngine.from_spec("demo", precision="f32")
-    try:
-        yield eng
-    finally:
-        eng.close()
+def engine(demo_engine):
+    return demo_engine
 
 
 def _ask(engine, rid: str, messages, n: int = N):

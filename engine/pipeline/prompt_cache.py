@@ -1,0 +1,66 @@
+"""Prompt caching across the pipeline: finished streams stay parked on every stage.
+
+When an answer ends, its stream is not freed at once: every stage keeps its KV, and the
+coordinator keeps the ids it holds. A new request whose prompt shares a long enough
+prefix with a parked stream (engine/runtime/prompt_cache.py) takes that stream over: its
+first step hides what the stages hold past the shared prefix and compacts it away (the
+same step fields speculative rollback uses), then prefills only the rest.
+
+Parked streams hold KV on every stage like running ones, so they count against the
+plan's streams (max_concurrent): the coordinator parks at most `capacity` and gives
+their room back before a new request would exceed max_concurrent. Pure bookkeeping: the
+coordinator sends the frees this returns.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.runtime.prompt_cache import best_reuse
+
+
+@dataclass(frozen=True)
+class Parked:
+    stream_id: str
+    seq: int  # the stream's next step number on every stage
+    past: int  # tokens physically in its KV state on every stage
+    ids: tuple[int, ...]  # those tokens, in order
+
+
+class ParkedStreams:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, capacity)
+        self._parked: OrderedDict[str, Parked] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def park(self, stream: Parked) -> list[str]:
+        """Keep a finished stream; returns the stream ids to free (the oldest over capacity,
+        or this one when nothing may be kept)."""
+        if self.capacity == 0:
+            return [stream.stream_id]
+        self._parked[stream.stream_id] = stream
+        return self.evict(len(self._parked) - self.capacity)
+
+    def take(self, prompt_ids: Sequence[int]) -> tuple[Parked, int] | None:
+        """The parked stream to start `prompt_ids` from and how many of its ids to keep."""
+        parked = list(self._parked.values())
+        best, keep = best_reuse([p.ids for p in parked], prompt_ids)
+        if best is None:
+            return None
+        del self._parked[parked[best].stream_id]
+        return parked[best], keep
+
+    def evict(self, n: int) -> list[str]:
+        """Give up the n oldest parked streams; their ids, to free on every stage."""
+        out = []
+        while n > 0 and self._parked:
+            out.append(self._parked.popitem(last=False)[0])
+            n -= 1
+        return out
+
+    def clear(self) -> list[str]:
+        return self.evict(len(self._parked))
