@@ -31,8 +31,8 @@ error event naming the stage, and new submits are refused with that reason.
 
 from __future__ import annotations
 
-import dataclasses
 import collections
+import dataclasses
 import itertools
 import logging
 import queue

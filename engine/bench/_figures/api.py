@@ -46,7 +46,7 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
         "{%s:rounds.0.turn2_prompt_tokens|int} tokens (first round)" % (P, P), PHOW),
     Row("turn 2's prompt tokens taken from the cache (`cached_tokens`)", "{%s:turn2_cached_tokens|int}" % P, PHOW),
     Row("time to first token: turn 1 / turn 2 cached / turn 2 uncached",
-        "{%s:turn1_ttft_s|ms} ms / {%s:turn2_ttft_s|ms} ms / {%s:turn2_uncached_ttft_s|ms} ms" % (P, P, P), PHOW),
+        "{%s:turn1_ttft_s|f2} s / {%s:turn2_ttft_s|f2} s / {%s:turn2_uncached_ttft_s|f2} s" % (P, P, P), PHOW),
     Row("turn 2 cached over turn 1 (goal ≤ 0.3×); over turn 2 uncached",
         "{%s:turn2_over_turn1|x}; {%s:cached_over_uncached|x}" % (P, P), PHOW),
     Row("cached and uncached answers identical (greedy)", "{%s:goal.identical}" % P, PHOW),

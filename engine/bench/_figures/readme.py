@@ -15,7 +15,7 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
     Row("local engine, time to first token (warm engine)",
         "{local-quick:engine.demo.ttft_ms|f1} ms (`demo`)", Q.format("local")),
     Row("prompt caching: a chat's second turn after a 2 000-token history (0.9 B random Llama)",
-        "time to first token {prompt-cache:turn1_ttft_s|ms} ms → {prompt-cache:turn2_ttft_s|ms} ms "
+        "time to first token {prompt-cache:turn1_ttft_s|f1} s → {prompt-cache:turn2_ttft_s|f1} s "
         "({prompt-cache:turn2_over_turn1|x}), {prompt-cache:turn2_cached_tokens|int} prompt tokens not prefilled "
         "again; same answer: {prompt-cache:goal.identical}", "`flotilla bench prompt-cache`"),
     Row("local engine vs `openvino_genai.LLMPipeline`, same IR (0.9 B random Llama), 6 interleaved rounds "
