@@ -46,12 +46,12 @@ def _lark_literal(text: str) -> str:
 
 def grammar_for(request: GenerateRequest, fmt: ToolFormat) -> str | None:
     """The llguidance grammar an answer to `request` must follow, or None (free text)."""
+    if not request.constrained:
+        return None  # free text: llguidance is not even imported
     import llguidance
 
     if request.json_schema is not None:
         return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_styled(request.json_schema)))
-    if request.tool_choice != "required" or not request.tools:
-        return None
     tools = [t for t in request.tools if request.forced_tool in (None, t.name)]
     rules = [f"call{i}: {_lark_literal(fmt.head(t.name))} %json {json.dumps(_styled(t.parameters))} "
              f"{_lark_literal(fmt.tail)}" for i, t in enumerate(tools)]

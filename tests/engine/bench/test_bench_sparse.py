@@ -263,7 +263,9 @@ def test_sparse_bench_reports_consistent_figures(tiny_model):
         assert bound["disk_mb_s_used"] == pytest.approx(max(bound["disk_mb_s_probe"], bound["disk_mb_s_achieved"]),
                                                         abs=0.06)
         # the I/O bound is ours' bytes at that rate, and no slower than the time ours really waited for them
-        assert bound["ours_io_lower_bound_ms"] == pytest.approx(b["ours"] / bound["disk_mb_s_used"] / 1e3, rel=0.01)
+        # (reported to 0.1 ms: at a fast disk the bound is a few ms, so the rounding alone is over 1 %)
+        assert bound["ours_io_lower_bound_ms"] == pytest.approx(b["ours"] / bound["disk_mb_s_used"] / 1e3,
+                                                                rel=0.01, abs=0.06)
         assert bound["ours_io_lower_bound_ms"] <= tm["io_wait"] * 1.01 + 0.1
         worst = max(bound["ours_io_lower_bound_ms"], bound["ours_compute_floor_ms"])
         assert bound["max_speedup_if_io_fully_hidden"] == pytest.approx(bound["mmap_ms_per_token"] / worst, rel=0.05)

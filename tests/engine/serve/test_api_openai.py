@@ -27,17 +27,13 @@ def engine(demo_engine):
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    srv = ApiServer(create_app(engine)).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(demo_server):
+    return demo_server
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="anything", max_retries=0, timeout=60)
+def client(demo_client):
+    return demo_client
 
 
 @pytest.fixture(scope="module")

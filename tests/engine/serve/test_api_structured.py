@@ -16,7 +16,6 @@ import pytest
 from pydantic import Field
 from schema_helpers import bounded_schemas
 
-from engine.serve.api import ApiServer, create_app
 
 SCHEMAS = bounded_schemas(20, seed=11)
 ASK = [{"role": "user", "content": "What is the weather in Oslo? Answer in JSON."}]
@@ -34,17 +33,13 @@ SCHEMA_OF = {"get_weather": WEATHER, "get_time": CLOCK}
 
 
 @pytest.fixture(scope="module")
-def server(demo_engine):
-    srv = ApiServer(create_app(demo_engine)).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(demo_server):
+    return demo_server
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="anything", max_retries=0, timeout=120)
+def client(demo_client):
+    return demo_client
 
 
 def _schema_format(schema: dict) -> dict:
