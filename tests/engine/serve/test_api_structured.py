@@ -32,33 +32,23 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMA_OF = {"get_weather": WEATHER, "get_time": CLOCK}
 
 
-@pytest.fixture(scope="module")
-def server(demo_server):
-    return demo_server
-
-
-@pytest.fixture(scope="module")
-def client(demo_client):
-    return demo_client
-
-
 def _schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
 
-def test_json_schema_answers_always_validate(client):
+def test_json_schema_answers_always_validate(demo_client):
     """20 generated schemas, greedy and sampled: every answer is complete, parses and validates."""
     for i, schema in enumerate(SCHEMAS):
         kw = {"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": i}
-        out = client.chat.completions.create(model="demo", messages=ASK, response_format=_schema_format(schema),
+        out = demo_client.chat.completions.create(model="demo", messages=ASK, response_format=_schema_format(schema),
                                              max_tokens=300, **kw)
         choice = out.choices[0]
         assert choice.finish_reason == "stop", (i, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
-def test_json_object_answers_are_an_object_or_say_they_were_cut(client):
-    out = client.chat.completions.create(model="demo", messages=ASK, response_format={"type": "json_object"},
+def test_json_object_answers_are_an_object_or_say_they_were_cut(demo_client):
+    out = demo_client.chat.completions.create(model="demo", messages=ASK, response_format={"type": "json_object"},
                                          max_tokens=40, temperature=0)
     choice = out.choices[0]
     assert choice.message.content.startswith("{")
@@ -68,19 +58,19 @@ def test_json_object_answers_are_an_object_or_say_they_were_cut(client):
         assert choice.finish_reason == "length" and out.usage.completion_tokens == 40
 
 
-def test_an_unbounded_string_cut_by_max_tokens_says_length(client):
+def test_an_unbounded_string_cut_by_max_tokens_says_length(demo_client):
     schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"],
               "additionalProperties": False}
-    out = client.chat.completions.create(model="demo", messages=ASK, response_format=_schema_format(schema),
+    out = demo_client.chat.completions.create(model="demo", messages=ASK, response_format=_schema_format(schema),
                                          max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     choice = out.choices[0]
     assert choice.finish_reason == "length" and choice.message.content.startswith('{"story": "')
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_a_forced_call_comes_back_as_tool_calls_with_valid_arguments(client, tool_choice):
+def test_a_forced_call_comes_back_as_tool_calls_with_valid_arguments(demo_client, tool_choice):
     for seed in range(4):
-        out = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+        out = demo_client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice=tool_choice,
                                              max_tokens=100, temperature=1.0, seed=seed)
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -91,11 +81,11 @@ def test_a_forced_call_comes_back_as_tool_calls_with_valid_arguments(client, too
         assert call.id.startswith("call_") and call.type == "function"
 
 
-def test_streamed_call_deltas_put_together_give_the_same_call(client):
+def test_streamed_call_deltas_put_together_give_the_same_call(demo_client):
     kw = dict(model="demo", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=100, temperature=0)
-    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    whole = demo_client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     name, args, ids, reasons, chunks = None, "", set(), [], 0
-    for chunk in client.chat.completions.create(stream=True, **kw):
+    for chunk in demo_client.chat.completions.create(stream=True, **kw):
         choice = chunk.choices[0]
         reasons.append(choice.finish_reason)
         for d in choice.delta.tool_calls or ():
@@ -109,11 +99,11 @@ def test_streamed_call_deltas_put_together_give_the_same_call(client):
     assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
 
 
-def test_a_forced_call_cut_by_max_tokens_says_length(client):
+def test_a_forced_call_cut_by_max_tokens_says_length(demo_client):
     """Cut before its name is complete: no call; cut in its arguments: the call with what was written."""
     named = 0
     for n in (3, 14, 18):
-        out = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, max_tokens=n, temperature=0,
+        out = demo_client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, max_tokens=n, temperature=0,
                                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
         choice = out.choices[0]
         assert choice.finish_reason == "length" and out.usage.completion_tokens == n
@@ -126,14 +116,14 @@ def test_a_forced_call_cut_by_max_tokens_says_length(client):
     assert named >= 1
 
 
-def test_a_conversation_with_earlier_calls_and_results_is_taken(client, server):
+def test_a_conversation_with_earlier_calls_and_results_is_taken(demo_client, demo_server):
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius", "days": 1}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."}]
-    out = client.chat.completions.create(model="demo", messages=history, tools=TOOLS, max_tokens=4, temperature=0)
-    shorter = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, max_tokens=4, temperature=0)
+    out = demo_client.chat.completions.create(model="demo", messages=history, tools=TOOLS, max_tokens=4, temperature=0)
+    shorter = demo_client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, max_tokens=4, temperature=0)
     assert out.usage.prompt_tokens > shorter.usage.prompt_tokens + 20  # the call and its result were read
     assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
@@ -148,15 +138,15 @@ def test_a_conversation_with_earlier_calls_and_results_is_taken(client, server):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
 ])
-def test_a_structure_the_server_cannot_hold_is_a_400(client, body, param):
+def test_a_structure_the_server_cannot_hold_is_a_400(demo_client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="demo", messages=ASK, max_tokens=4, **body)
+        demo_client.chat.completions.create(model="demo", messages=ASK, max_tokens=4, **body)
     assert e.value.status_code == 400
     if param is not None:
         assert e.value.body["param"] == param
 
 
-def test_an_agent_framework_runs_a_tool_loop_to_its_end(server):
+def test_an_agent_framework_runs_a_tool_loop_to_its_end(demo_server):
     """openai-agents (PyPI) over the Chat Completions API: the first turn must call the
     tool (tool_choice required), the tool runs with arguments that validate, its result
     goes back as a tool message, the next turn (tool_choice reset to auto) answers."""
@@ -172,7 +162,7 @@ def test_an_agent_framework_runs_a_tool_loop_to_its_end(server):
         return f"Sunny in {city} for {days} days."
 
     model = OpenAIChatCompletionsModel(
-        model="demo", openai_client=openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0))
+        model="demo", openai_client=openai.AsyncOpenAI(base_url=f"{demo_server.url}/v1", api_key="x", max_retries=0))
     agent = Agent(name="forecaster", instructions="Use the tool, then answer.", tools=[get_weather], model=model,
                   model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0))
     result = asyncio.run(Runner.run(agent, "Weather in Oslo for two days?", max_turns=6))
