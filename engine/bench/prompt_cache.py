@@ -47,12 +47,14 @@ def _model(spec: str, report: Callable[[str], None]) -> str:
     return spec
 
 
-def _history(tokenizer: Any, tokens: int, round_: int) -> list[tuple[str, str]]:
-    """Alternating user/assistant turns of corpus text, about `tokens` long in all."""
+def _corpus_ids(tokenizer: Any) -> list[int]:
     from engine.models.demo_corpus import build_corpus
 
-    text = "\n".join(build_corpus().texts(held_out=False))
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer("\n".join(build_corpus().texts(held_out=False)), add_special_tokens=False)["input_ids"]
+
+
+def _history(tokenizer: Any, ids: list[int], tokens: int, round_: int) -> list[tuple[str, str]]:
+    """Alternating user/assistant turns of corpus text (ids), about `tokens` long in all."""
     start = (round_ * 7919 * 13) % max(1, len(ids) - tokens - 1)
     turns, at, i = [], start, 0
     per = max(50, tokens // 8)
@@ -76,14 +78,6 @@ def _ask(engine: Any, rid: str, turns: list[tuple[str, str]], n: int) -> tuple[l
     return [t for e in events for t in e.token_ids], final
 
 
-def _cache(engine: Any, size: int) -> None:
-    """Set how many finished streams the engine keeps for prompt caching (0 drops them)."""
-    if hasattr(engine, "set_prompt_cache"):  # the pipeline: parked streams on the stages
-        engine.set_prompt_cache(size)
-    else:  # the local engine: its pool of idle requests
-        engine.backend.set_prompt_cache(size)
-
-
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.serve.local import LocalEngine
 
@@ -102,16 +96,17 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     rows = []
     try:
         _ask(engine, "warm", [("user", "Hello")], 4)
+        corpus = _corpus_ids(engine.tokenizer)
         for r in range(rounds):
-            turns = _history(engine.tokenizer, history, r)
+            turns = _history(engine.tokenizer, corpus, history, r)
             q1 = turns + [("user", "What did we talk about?")]
             ids1, end1 = _ask(engine, f"r{r}t1", q1, args.answer)
             q2 = q1 + [("assistant", engine.tokenizer.decode(ids1, skip_special_tokens=True)),
                        ("user", "And what else?")]
             ids2, end2 = _ask(engine, f"r{r}t2", q2, args.answer)
-            _cache(engine, 0)  # no cache: turn 2 again from nothing
+            engine.set_prompt_cache(0)  # no cache: turn 2 again from nothing
             ids3, end3 = _ask(engine, f"r{r}t2-nocache", q2, args.answer)
-            _cache(engine, pool)
+            engine.set_prompt_cache(pool)
             row = {"history_tokens": end1.usage.prompt_tokens, "turn2_prompt_tokens": end2.usage.prompt_tokens,
                    "turn2_cached_tokens": end2.usage.cached_tokens, "uncached_cached_tokens": end3.usage.cached_tokens,
                    "turn1_ttft_s": round(end1.timings.ttft_s, 4), "turn2_ttft_s": round(end2.timings.ttft_s, 4),

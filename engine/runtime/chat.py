@@ -89,7 +89,6 @@ def chat_ids(tokenizer: Any, messages: Iterable[ChatMessage], fallback: bool = T
              tools: tuple[ToolSpec, ...] = ()) -> list[int]:
     """Token ids of the templated conversation, ending with the assistant's
     generation prompt (add_generation_prompt=True)."""
-    messages = list(messages)
     own = getattr(tokenizer, "chat_template", None) if has_chat_template(tokenizer) else None
     fmt = tool_format.detect(own)
     native = tool_format.template_renders_tools(own)

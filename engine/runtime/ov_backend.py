@@ -206,7 +206,6 @@ class OVStream:
         reuse = _keep_prefix(self.req, reuse, len(held))
         self.names = input_names
         self.chunk = chunk
-        self.past = reuse  # tokens in the KV state
         self.cached = reuse  # of them, taken over from an earlier request (prompt caching)
         self.fed: list[int] = list(held[:reuse])  # the ids in the KV state, in order
         self._release = release
@@ -225,10 +224,14 @@ class OVStream:
         if LOGITS_TO_KEEP in self.names:
             feed[LOGITS_TO_KEEP] = _LAST_ONLY
         self.req.infer(feed)
-        self.past += n
         self.fed.extend(int(t) for t in ids[0])
         logits = self.req.get_tensor("logits").data  # [1, n or 1, vocab]
         return np.array(logits[0, -1], dtype=np.float32)  # [vocab], a copy
+
+    @property
+    def past(self) -> int:
+        """Tokens in the KV state."""
+        return len(self.fed)
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)  # [1, n]

@@ -65,7 +65,7 @@ from engine.protocol.messages import (
     TokenLogprob,
 )
 from engine.runtime import tool_format
-from engine.runtime.constraint import GrammarError, check_grammar, grammar_for
+from engine.runtime.constraint import check_grammar, grammar_for
 from engine.serve import fields
 from engine.serve.tool_calls import (
     ChatShaper,
@@ -387,7 +387,7 @@ def _check_grammar(req: GenerateRequest) -> None:
         grammar = grammar_for(req, tool_format.HERMES)  # the schemas' validity does not depend on the format
         if grammar is not None:
             check_grammar(grammar)
-    except (GrammarError, ValueError) as e:
+    except ValueError as e:  # GrammarError, or llguidance refusing the schema text
         param = "response_format" if req.json_schema is not None else "tools"
         raise ApiError(400, f"{param}: the schema cannot be enforced: {e}", param=param,
                        code="invalid_schema") from None

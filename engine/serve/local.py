@@ -125,6 +125,13 @@ class LocalEngine(Engine):
         return EngineInfo(self.model_id, "local", self.backend.device, self.context_length,
                           tool_format.of(self.tokenizer).name)
 
+    def set_prompt_cache(self, streams: int) -> None:
+        """Keep at most this many finished streams' KV for follow-up prompts (0: none);
+        a backend without a prompt cache (torch, sparse) has nothing to set."""
+        setter = getattr(self.backend, "set_prompt_cache", None)
+        if setter is not None:
+            setter(streams)
+
     # -- Engine hooks ------------------------------------------------------------
     def _start(self, request: GenerateRequest) -> None:
         self._inbox.put((request, time.perf_counter()))
