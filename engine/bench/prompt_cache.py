@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 NAME = "prompt-cache"
-HELP = "prompt caching on the local engine: a 2 000-token chat's second turn, TTFT with and without the cache"
+HELP = ("prompt caching on the local engine or a 2-stage pipeline: a 2 000-token chat's second turn, "
+        "TTFT with and without the cache")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

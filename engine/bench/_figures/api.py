@@ -41,6 +41,10 @@ GRAMMAR = Table("api-grammar", ("mask per token (compute + apply) and compile pe
 P = "prompt-cache"
 PHOW = "`flotilla bench prompt-cache` (0.9 B random Llama, bf16, default precision; answers of 16 tokens)"
 
+PP = "prompt-cache-pipeline"
+PPHOW = ("`flotilla bench prompt-cache --engine pipeline` (the same model and history, "
+         "2 local stage processes)")
+
 PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long history", "measured", "how"), (
     Row("history (turn 1's prompt) / turn 2's prompt", "{%s:rounds.0.history_tokens|int} / "
         "{%s:rounds.0.turn2_prompt_tokens|int} tokens (first round)" % (P, P), PHOW),
@@ -50,6 +54,12 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
     Row("turn 2 cached over turn 1 (goal ≤ 0.3×); over turn 2 uncached",
         "{%s:turn2_over_turn1|x}; {%s:cached_over_uncached|x}" % (P, P), PHOW),
     Row("cached and uncached answers identical (greedy)", "{%s:goal.identical}" % P, PHOW),
+    Row("2-stage pipeline: turn 2's `cached_tokens`", "{%s:turn2_cached_tokens|int}" % PP, PPHOW),
+    Row("2-stage pipeline: time to first token, turn 1 / turn 2 cached / turn 2 uncached",
+        "{%s:turn1_ttft_s|f2} s / {%s:turn2_ttft_s|f2} s / {%s:turn2_uncached_ttft_s|f2} s" % (PP, PP, PP), PPHOW),
+    Row("2-stage pipeline: turn 2 cached over turn 1 (goal ≤ 0.3×); over turn 2 uncached",
+        "{%s:turn2_over_turn1|x}; {%s:cached_over_uncached|x}" % (PP, PP), PPHOW),
+    Row("2-stage pipeline: cached and uncached answers identical (greedy)", "{%s:goal.identical}" % PP, PPHOW),
 ))
 
 FILE = REPO_ROOT / "docs" / "api.md"

@@ -20,6 +20,11 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{prompt-cache:turn1_ttft_s|f1} s → {prompt-cache:turn2_ttft_s|f1} s ({prompt-cache:turn2_over_turn1|x}), "
         "without the cache {prompt-cache:turn2_uncached_ttft_s|f1} s; same answer as without the cache: "
         "{prompt-cache:goal.identical}", "`flotilla bench prompt-cache`"),
+    Row("prompt caching across a 2-stage pipeline (the same model and history)",
+        "{prompt-cache-pipeline:turn2_cached_tokens|int} tokens not prefilled again; time to first token "
+        "{prompt-cache-pipeline:turn1_ttft_s|f1} s → {prompt-cache-pipeline:turn2_ttft_s|f1} s "
+        "({prompt-cache-pipeline:turn2_over_turn1|x}); same answer as without the cache: "
+        "{prompt-cache-pipeline:goal.identical}", "`flotilla bench prompt-cache --engine pipeline`"),
     Row("local engine vs `openvino_genai.LLMPipeline`, same IR (0.9 B random Llama), 6 interleaved rounds "
         "in one process; ours / genai",
         "decode {local:side_by_side.ours_vs_genai.decode_tok_s|x} "
