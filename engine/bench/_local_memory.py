@@ -63,30 +63,6 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
-def genai_folder(ir: Path) -> Path:
-    """<ir>-genai: the IR's files linked (not copied) plus the tokenizer IRs LLMPipeline needs."""
-    import openvino as ov
-
-    out = ir.parent / (ir.name + "-genai")
-    if (out / "openvino_detokenizer.xml").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    for f in ir.iterdir():
-        link = out / f.name
-        if f.is_file() and not link.exists():
-            os.symlink(f.resolve(), link)
-    from openvino_tokenizers import convert_tokenizer
-    from transformers import AutoTokenizer
-
-    tok, detok = convert_tokenizer(AutoTokenizer.from_pretrained(str(ir)), with_detokenizer=True)
-    ov.save_model(tok, str(out / "openvino_tokenizer.xml"))
-    tmp = out / ".openvino_detokenizer.xml"  # the marker file comes last: a half folder is redone
-    ov.save_model(detok, str(tmp))
-    tmp.with_suffix(".bin").replace(out / "openvino_detokenizer.bin")
-    tmp.replace(out / "openvino_detokenizer.xml")
-    return out
-
-
 # -- the child -------------------------------------------------------------------------------------
 
 
@@ -134,6 +110,8 @@ class GenaiRunner:
     def __init__(self, ir: Path) -> None:
         import openvino_genai as ov_genai
         from transformers import AutoTokenizer
+
+        from engine.runtime.genai_folder import genai_folder
 
         folder = genai_folder(ir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(ir))

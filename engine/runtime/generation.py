@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.protocol.messages import GenerateRequest, Timings, TokenEvent, TokenLogprob, Usage
+from engine.protocol.messages import MAX_TOKEN_CHARS, GenerateRequest, Timings, TokenEvent, TokenLogprob, Usage
 from engine.runtime import constraint as _constraint
 from engine.runtime import tool_format
 from engine.runtime.backend import ModelStream
@@ -103,14 +103,13 @@ def pick(gen: Generation, logits: np.ndarray) -> int:
     return gen.sampler.sample(logits)
 
 
-def accept(gen: Generation, token: int, logits: np.ndarray | None = None) -> TokenEvent:
+def accept(gen: Generation, token: int, logits: np.ndarray | None = None,
+           logprob: float | None = None) -> TokenEvent:
     """Take a picked token into the answer: its text, a stop string, the length limit or
     a completed grammar ending it, its logprob when asked for (from the raw logits row it
-    was picked from). The one copy of this step; every engine's decode loop ends in it."""
-    n = gen.request.sampling.logprobs
-    if n is not None and logits is None:
-        raise ValueError("logprobs were asked for but the token came without its logits row")
-    lp = (token_logprob(logits, token, n, gen.detok.token_text),) if n is not None else ()
+    was picked from, or -- an engine that picks elsewhere -- the logprob it reports, which
+    has no alternatives). The one copy of this step; every engine's decode loop ends in it."""
+    lp = _logprob(gen, token, logits, logprob)
     if gen.t_first is None:
         gen.t_first = time.perf_counter()
     gen.output_ids.append(token)
@@ -125,6 +124,19 @@ def accept(gen: Generation, token: int, logits: np.ndarray | None = None) -> Tok
         return finished(gen, "length", delta.text + gen.detok.finish(), (token,), logprobs=lp)
     gen.pending = token
     return TokenEvent(gen.request_id, text=delta.text, token_ids=(token,), logprobs=lp)
+
+
+def _logprob(gen: Generation, token: int, logits: np.ndarray | None,
+             logprob: float | None) -> tuple[TokenLogprob, ...]:
+    n = gen.request.sampling.logprobs
+    if n is None:
+        return ()
+    if logits is not None:
+        return (token_logprob(logits, token, n, gen.detok.token_text),)
+    if logprob is not None and n == 0:
+        text = gen.detok.token_text(token)[:MAX_TOKEN_CHARS]
+        return (TokenLogprob(int(token), text, min(float(logprob), 0.0)),)
+    raise ValueError("logprobs were asked for but the token came without its logits row")
 
 
 def step(gen: Generation) -> TokenEvent | None:

@@ -566,6 +566,11 @@ async def _generate(body: _Sampling, request: Request, engine: Engine, chat: boo
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     _refuse_unsupported(body)
     req = _build(rid, body)
+    refused = fields.engine_refusal(req, engine.info.unsupported, chat)
+    if refused is not None:
+        raise ApiError(400, f"'{refused.param}' is not supported by this model's engine "
+                            f"({engine.info.engine}); serve it with --engine local for that",
+                       param=refused.param, code=refused.code)
     _submit(engine, req)
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": body.model}

@@ -50,6 +50,8 @@ def _open_local(spec: str, options: EngineOptions, progress: Progress | None) ->
 # kind -> (opener, one-line description for --help)
 ENGINE_KINDS: dict[str, tuple[Callable[[str, EngineOptions, Progress | None], Engine], str]] = {
     "local": (_open_local, "the whole model on this PC (OpenVINO)"),
+    "batched": (_lazy("engine.serve.batched:open_batched"),
+                "the whole model on this PC, concurrent requests batched (openvino_genai continuous batching)"),
     "pipeline": (_lazy("engine.pipeline.runner:open_pipeline_engine"),
                  "layers split over local stage processes (pipeline shards; extra: stages, split, threads)"),
     "moe": (_lazy("engine.moe.engine:open_moe_engine"), "MoE model, experts on disk (Bevy scheduler)"),

@@ -112,3 +112,22 @@ def refusal(extra: Mapping[str, Any] | None, neutral: Mapping[str, Callable[[Any
         if not ok(extra[name]):
             return Refusal(prefix + name, UNSUPPORTED_VALUE)
     return None
+
+
+def engine_refusal(request: Any, unsupported: frozenset[str], chat: bool = True) -> Refusal | None:
+    """The first field a request uses that its engine cannot honour (EngineInfo.unsupported
+    names them as chat fields), or None. `request` is an engine GenerateRequest."""
+    asked = []
+    if request.sampling.logprobs:
+        asked.append("top_logprobs")
+    if request.json_schema is not None:
+        asked.append("response_format")
+    elif request.constrained:
+        asked.append("tool_choice")
+    if request.speculative is not None and request.speculative.mode != "off":
+        asked.append("speculative")
+    for name in asked:
+        if name in unsupported:
+            shown = name if chat or name != "top_logprobs" else "logprobs"
+            return Refusal(shown, UNSUPPORTED_VALUE)
+    return None

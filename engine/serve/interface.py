@@ -56,6 +56,7 @@ class EngineInfo:
     device: str  # e.g. "CPU"
     context_length: int  # tokens (prompt + answer) one request may hold
     tool_format: str = "hermes"  # how the model writes tool calls (engine/runtime/tool_format.py FORMATS)
+    unsupported: frozenset[str] = frozenset()  # API fields this engine refuses (a 400 naming the field)
 
 
 class Engine(ABC):

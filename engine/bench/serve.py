@@ -1,0 +1,167 @@
+"""`flotilla bench serve`: several users on one PC, through the HTTP API.
+
+For each engine (--engines; default the local engine's round-robin loop and the
+batched engine, openvino_genai's continuous batching, on the same IR at the same
+precision), one after the other in this process: open it, serve it with the
+OpenAI-compatible API on loopback, one warm-up answer, then for each concurrency c
+(--concurrency, default 1,4,8,16) c streaming chat requests at once, each a
+different prompt (no engine can re-use another's prefix), greedy, exactly --tokens
+new tokens (ignore_eos). Per concurrency:
+
+- aggregate_tok_s: completion tokens of all c answers / wall time from sending the
+  first to the last answer's end;
+- ttft_s p50 / p95 over the c requests (request sent -> first content chunk);
+- same_as_first_engine: the share of answers whose text equals the first engine's
+  answer to the same prompt (greedy; bf16 math on two kernels can part late in an answer).
+
+Rounds (--rounds) alternate the engines' order; figures are medians over rounds,
+ratios (each engine over the first) are taken per round. Random weights: the text
+is gibberish of a fixed length, which is all a scheduler sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+NAME = "serve"
+HELP = ("several users on one PC through the HTTP API: aggregate tok/s and TTFT p50/p95 at 1, 4, 8 and 16 "
+        "concurrent requests, the local engine's loop vs continuous batching")
+
+ENGINES = ("local", "batched")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="a random-Llama preset (random-llama-0.9b, random-llama-tiny), a demo id or a model "
+                        "folder (default random-llama-0.9b; quick demo)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="engine kinds, comma-separated (default local,batched)")
+    p.add_argument("--concurrency", default=None, help="concurrent requests per step (default 1,4,8,16; quick 1,4)")
+    p.add_argument("--tokens", type=int, default=None, help="new tokens per answer (default 32; quick 8)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds over every engine (default 2; quick 1)")
+
+
+def _model(spec: str, report: Callable[[str], None]) -> str:
+    from engine.bench.prompt_cache import _model as model
+
+    return model(spec, report)
+
+
+def _prompt(c: int, i: int, r: int) -> str:
+    return f"Request {r}-{c}-{i}: tell me about the weather in city number {i * 7 + c}."
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+async def _one(client: Any, url: str, model: str, prompt: str, tokens: int) -> dict[str, Any]:
+    import json
+
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, text, usage = None, [], None
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"the API answered {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for ch in chunk.get("choices", ()):
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+    end = time.perf_counter()
+    return {"ttft_s": (first or end) - t0, "end": end, "start": t0, "text": "".join(text),
+            "tokens": int((usage or {}).get("completion_tokens", 0))}
+
+
+async def _burst(url: str, model: str, c: int, r: int, tokens: int) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=1800) as client:
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(_one(client, url, model, _prompt(c, i, r), tokens) for i in range(c)))
+    wall = max(g["end"] for g in got) - t0
+    ttfts = [g["ttft_s"] for g in got]
+    return {"concurrency": c, "wall_s": round(wall, 3), "tokens": sum(g["tokens"] for g in got),
+            "aggregate_tok_s": round(sum(g["tokens"] for g in got) / wall, 3),
+            "ttft_p50_s": round(_percentile(ttfts, 0.5), 3), "ttft_p95_s": round(_percentile(ttfts, 0.95), 3),
+            "texts": [g["text"] for g in got]}
+
+
+def _measure(kind: str, path: str, levels: list[int], tokens: int, r: int,
+             report: Callable[[str], None]) -> dict[str, Any]:
+    from engine.serve.api import ApiServer, create_app
+    from engine.serve.factory import EngineOptions, open_engine
+
+    t = time.perf_counter()
+    engine = open_engine(path, kind, EngineOptions(extra={"max_concurrent": max(levels)}))
+    if hasattr(engine, "max_concurrent"):
+        engine.max_concurrent = max(levels)
+    load_s = time.perf_counter() - t
+    try:
+        with ApiServer(create_app(engine)) as server:
+            url = server.url + "/v1/chat/completions"
+            asyncio.run(_burst(url, engine.info.model_id, 1, -1, 4))  # warm-up: compile and first inference
+            out = {"load_s": round(load_s, 2), "levels": []}
+            for c in levels:
+                row = asyncio.run(_burst(url, engine.info.model_id, c, r, tokens))
+                out["levels"].append(row)
+                report(f"  {kind} c={c}: {row['aggregate_tok_s']:.2f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s "
+                       f"p95 {row['ttft_p95_s']:.2f} s")
+            return out
+    finally:
+        engine.close()
+
+
+def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    levels = [int(x) for x in (args.concurrency or ("1,4" if args.quick else "1,4,8,16")).split(",")]
+    tokens = args.tokens or (8 if args.quick else 32)
+    rounds = args.rounds or (1 if args.quick else 2)
+    path = _model(args.model or ("demo" if args.quick else "random-llama-0.9b"), report)
+    per_round = []
+    for r in range(rounds):
+        order = engines if r % 2 == 0 else engines[::-1]
+        got = {}
+        for kind in order:
+            report(f"round {r + 1}/{rounds}: {kind} engine on {Path(path).name}")
+            got[kind] = _measure(kind, path, levels, tokens, r, report)
+        per_round.append({"order": order, **got})
+    base = engines[0]
+    figures: dict[str, Any] = {}
+    for kind in engines:
+        rows = []
+        for li, c in enumerate(levels):
+            cells = [rd[kind]["levels"][li] for rd in per_round]
+            same = [sum(a == b for a, b in zip(cell["texts"], rd[base]["levels"][li]["texts"])) / c
+                    for cell, rd in zip(cells, per_round)]
+            rows.append({
+                "concurrency": c,
+                "aggregate_tok_s": statistics.median(x["aggregate_tok_s"] for x in cells),
+                "ttft_p50_s": statistics.median(x["ttft_p50_s"] for x in cells),
+                "ttft_p95_s": statistics.median(x["ttft_p95_s"] for x in cells),
+                "over_first_engine": statistics.median(
+                    x["aggregate_tok_s"] / rd[base]["levels"][li]["aggregate_tok_s"] for x, rd in zip(cells, per_round)),
+                "same_as_first_engine": statistics.median(same),
+            })
+        figures[kind] = {"levels": rows, "load_s": statistics.median(rd[kind]["load_s"] for rd in per_round)}
+    best = {c: max(engines, key=lambda k: figures[k]["levels"][i]["aggregate_tok_s"]) for i, c in enumerate(levels)}
+    for rd in per_round:  # the texts were compared above; the JSON keeps their lengths only
+        for kind in engines:
+            for cell in rd[kind]["levels"]:
+                cell["text_chars"] = [len(t) for t in cell.pop("texts")]
+    return {"model": Path(path).name, "engines": engines, "concurrency": levels, "tokens": tokens,
+            "rounds": rounds, "figures": figures, "fastest": {str(c): k for c, k in best.items()},
+            "per_round": per_round}
