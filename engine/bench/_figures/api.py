@@ -62,5 +62,23 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
     Row("2-stage pipeline: cached and uncached answers identical (greedy)", "{%s:goal.identical}" % PP, PPHOW),
 ))
 
+S = "serve"
+SHOW = ("`flotilla bench serve` (0.9 B random Llama, bf16, default precision; streaming chat requests of "
+        "32 greedy tokens through the API; 2 rounds per run, engine order alternating)")
+
+
+def _serve_rows(i: int, c: int) -> tuple[Row, Row]:
+    local, batched = f"{S}:figures.local.levels.{i}", f"{S}:figures.batched.levels.{i}"
+    fig = "{%s.aggregate_tok_s|f1} tok/s in all; TTFT p50 {%s.ttft_p50_s|f2} s, p95 {%s.ttft_p95_s|f2} s"
+    users = f"{c} concurrent request{'s' if c > 1 else ''}"
+    return (Row(f"{users}: local engine (round-robin loop)", fig % (local, local, local), SHOW),
+            Row(f"{users}: batched engine (continuous batching)", fig % (batched, batched, batched)
+                + "; {%s.over_first_engine|x} the local engine's tok/s; same answers as it: "
+                  "{%s.same_as_first_engine|pct}" % (batched, batched), SHOW))
+
+
+SERVE = Table("api-serve", ("several users on one PC", "measured", "how"),
+              tuple(r for i, c in enumerate((1, 4, 8, 16)) for r in _serve_rows(i, c)))
+
 FILE = REPO_ROOT / "docs" / "api.md"
-TABLES = (GRAMMAR, PROMPT_CACHE)
+TABLES = (GRAMMAR, PROMPT_CACHE, SERVE)
