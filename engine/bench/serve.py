@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from engine import aio
+
 NAME = "serve"
 HELP = ("several users on one PC through the HTTP API: aggregate tok/s and TTFT p50/p95 at 1, 4, 8 and 16 "
         "concurrent requests, the local engine's loop vs continuous batching")
@@ -113,10 +115,10 @@ def _measure(kind: str, path: str, levels: list[int], tokens: int, r: int,
     try:
         with ApiServer(create_app(engine)) as server:
             url = server.url + "/v1/chat/completions"
-            asyncio.run(_burst(url, engine.info.model_id, 1, -1, 4))  # warm-up: compile and first inference
+            aio.run(_burst(url, engine.info.model_id, 1, -1, 4))  # warm-up: compile and first inference
             out = {"load_s": round(load_s, 2), "levels": []}
             for c in levels:
-                row = asyncio.run(_burst(url, engine.info.model_id, c, r, tokens))
+                row = aio.run(_burst(url, engine.info.model_id, c, r, tokens))
                 out["levels"].append(row)
                 report(f"  {kind} c={c}: {row['aggregate_tok_s']:.2f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s "
                        f"p95 {row['ttft_p95_s']:.2f} s")

@@ -15,8 +15,6 @@ import collections
 import dataclasses
 import logging
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -36,8 +34,9 @@ from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, decode_one, finished
-from engine.serve.interface import Engine, EngineError, EngineInfo
-from engine.serve.local import context_from_config, drain_inbox, refuse_waiting
+from engine.serve.interface import EngineError, EngineInfo
+from engine.serve.inbox import InboxEngine, refuse_waiting
+from engine.serve.local import context_from_config
 from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ class _NoStream:
         pass
 
 
-class MoEEngine(Engine):
+class MoEEngine(InboxEngine):
     def __init__(self, store_dir: Path, model_id: str, config: MoEConfig = MoEConfig(),
                  progress: Progress | None = None,
                  logits_hook: Callable[[str, np.ndarray], None] | None = None) -> None:
@@ -139,11 +138,7 @@ class MoEEngine(Engine):
         self.fetcher = Fetcher(self.store, self.cache, config.fetch_threads)
         self.scheduler = make_scheduler(config.scheduler, self.model, self.cache, self.fetcher)
         self._gens: dict[str, Generation] = {}
-        self._inbox: queue.SimpleQueue[tuple[GenerateRequest, float]] = queue.SimpleQueue()
-        self._cancelled: set[str] = set()  # guarded by self._lock
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"flotilla-moe-{model_id}", daemon=True)
-        self._thread.start()
+        self._start_scheduler(f"flotilla-moe-{model_id}")
         report("moe engine ready", 1.0)
 
     @classmethod
@@ -179,18 +174,8 @@ class MoEEngine(Engine):
                 "mean_group": float(np.mean(s.group_sizes)) if s.group_sizes else 0.0}
 
     # -- Engine hooks ----------------------------------------------------------------------
-    def _start(self, request: GenerateRequest) -> None:
-        self._inbox.put((request, time.perf_counter()))
-
-    def cancel(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self._queues:
-                self._cancelled.add(request_id)
-
     def _shutdown(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+        self._stop_scheduler()
         self.fetcher.close()
         self.cache.close()
         self.store.close()
@@ -215,20 +200,8 @@ class MoEEngine(Engine):
             self._end(gen, finished(gen, "error", error="the engine was closed"))
         refuse_waiting(self._emit, waiting)
 
-    def _take_inbox(self, waiting: collections.deque, block: bool) -> None:
-        drain_inbox(self._inbox, waiting, block)
-
     def _drop_cancelled(self, waiting: collections.deque) -> None:
-        with self._lock:
-            if not self._cancelled:
-                return
-            ids = set(self._cancelled)
-            found = {w[0].request_id for w in waiting} | set(self._gens)
-            self._cancelled = {i for i in self._cancelled - found if i in self._queues}
-        for item in [w for w in waiting if w[0].request_id in ids]:
-            waiting.remove(item)
-            self._emit(TokenEvent(item[0].request_id, finish_reason="cancelled", usage=Usage(0, 0)))
-        for sid in [i for i in ids if i in self._gens]:
+        for sid in self._take_cancelled(waiting, self._gens):
             self.scheduler.remove(sid)
             self._end(self._gens[sid], finished(self._gens[sid], "cancelled"))
 

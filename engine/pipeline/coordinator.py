@@ -35,7 +35,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import queue
 import signal
 import threading
 import time
@@ -62,7 +61,8 @@ from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.pipeline.prompt_cache import Parked, ParkedStreams
 from engine.runtime.generation import Generation, accept, finished, pick
-from engine.serve.interface import Engine, EngineError, EngineInfo
+from engine.serve.inbox import InboxEngine
+from engine.serve.interface import EngineError, EngineInfo
 from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class _Stats:
     pongs: dict = field(default_factory=dict)  # stage index -> last StagePong
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(InboxEngine):
     def __init__(self, stages: Sequence[StageLink], model_dir: Path, model_id: str,
                  config: PipelineConfig = PipelineConfig(), on_close: Callable[[], None] | None = None,
                  tokenizer: Any = None, speculative: Any = None) -> None:
@@ -184,10 +184,7 @@ class PipelineEngine(Engine):
         # speculation defaults (speculative: a SpecConfig); a request's field overrides them
         self.spec = RingSpeculation(speculative or SpecConfig(), model_id, self.vocab_size, config.device)
         self.stats = _Stats(stage_ms=[0.0] * len(self.stages))
-        self._inbox: queue.SimpleQueue[tuple[GenerateRequest, float]] = queue.SimpleQueue()
-        self._cancelled: set[str] = set()  # request ids, guarded by self._lock
         self._broken: str | None = None  # why the ring is unusable
-        self._stop = threading.Event()
         self._ids = itertools.count()
         self._nonce = itertools.count(1)
         self._ctx = zmq.Context()
@@ -200,7 +197,6 @@ class PipelineEngine(Engine):
         self._wake_tx = self._ctx.socket(zmq.PAIR)
         self._wake_tx.setsockopt(zmq.SNDHWM, 1)
         self._wake_tx.connect(wake_addr)
-        self._thread: threading.Thread | None = None
         from engine.pipeline.recovery import RingRecovery
 
         self.recovery = RingRecovery(self)  # disabled until enable_recovery() gives it a provider
@@ -210,8 +206,7 @@ class PipelineEngine(Engine):
         except BaseException:
             self._close_sockets()
             raise
-        self._thread = threading.Thread(target=self._run, name=f"flotilla-pipeline-{model_id}", daemon=True)
-        self._thread.start()
+        self._start_scheduler(f"flotilla-pipeline-{model_id}")
 
     @property
     def info(self) -> EngineInfo:
@@ -314,20 +309,17 @@ class PipelineEngine(Engine):
     def _start(self, request: GenerateRequest) -> None:
         if self._broken:
             raise EngineError(self._broken)
-        self._inbox.put((request, time.perf_counter()))
+        super()._start(request)
         self._wake()
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self._queues:
-                self._cancelled.add(request_id)
+        super().cancel(request_id)
         self._wake()
 
     def _shutdown(self) -> None:
         self._stop.set()
         self._wake()
-        if self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+        self._stop_scheduler()
         self._close_sockets()
         self.spec.close()
         if self._on_close is not None:
@@ -363,11 +355,7 @@ class PipelineEngine(Engine):
         next_live = next_ping = 0.0
         while not self._stop.is_set():
             try:
-                while True:
-                    try:
-                        waiting.append(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
+                self._take_inbox(waiting, block=False)  # the poll below is the wait
                 self._drop_cancelled(waiting, active)
                 if self._broken:
                     self._fail_all(waiting, active, self._broken)
@@ -416,18 +404,9 @@ class PipelineEngine(Engine):
             pass
 
     def _drop_cancelled(self, waiting: collections.deque, active: dict[str, _Flight]) -> None:
-        with self._lock:
-            if not self._cancelled:
-                return
-            ids, self._cancelled = self._cancelled, set()
-        for item in [w for w in waiting if w[0].request_id in ids]:
-            waiting.remove(item)
-            self._emit(TokenEvent(item[0].request_id, finish_reason="cancelled", usage=Usage(0, 0)))
+        ids = self._take_cancelled(waiting, (f.gen.request_id for f in active.values()))
         for flight in [f for f in active.values() if f.gen.request_id in ids]:
             self._end(active, flight, finished(flight.gen, "cancelled"))
-        rest = ids - {w[0].request_id for w in waiting} - {f.gen.request_id for f in active.values()}
-        with self._lock:  # ids still in the inbox: keep them for the next turn
-            self._cancelled |= {i for i in rest if i in self._queues}
 
     def _admit(self, request: GenerateRequest, t_submit: float) -> _Flight | None:
         try:

@@ -17,11 +17,8 @@ not the llguidance grammar the other engines enforce), speculative decoding.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +33,8 @@ from engine.runtime.generation import Generation, accept, finished
 from engine.runtime import tool_format
 from engine.serve.fields import engine_refusal
 from engine.serve.interface import Engine, EngineError, EngineInfo
-from engine.serve.local import context_from_config, drain_inbox, refuse_waiting
+from engine.serve.inbox import TurnEngine
+from engine.serve.local import context_from_config
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +89,7 @@ def scheduler_config(max_concurrent: int, kv_cache_gb: float, chunk: int) -> Any
     return sc
 
 
-class BatchedEngine(Engine):
+class BatchedEngine(TurnEngine):
     def __init__(self, model_path: Path, model_id: str, device: str = "CPU", precision: str = "default",
                  max_concurrent: int = 8, context_length: int | None = None,
                  progress: Progress | None = None, prefill_chunk: int = 512,
@@ -121,11 +119,7 @@ class BatchedEngine(Engine):
         self.context_length = min(context_length, trained) if context_length else trained
         self.eos_ids = eos_token_ids(ir, self.tokenizer)
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue[tuple[GenerateRequest, float]] = queue.SimpleQueue()
-        self._cancelled: set[str] = set()  # guarded by self._lock
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"flotilla-batched-{model_id}", daemon=True)
-        self._thread.start()
+        self._start_scheduler(f"flotilla-batched-{model_id}")
 
     @classmethod
     def from_spec(cls, spec: str, progress: Progress | None = None, **kw: Any) -> "BatchedEngine":
@@ -139,59 +133,15 @@ class BatchedEngine(Engine):
         return EngineInfo(self.model_id, "batched", self.device, self.context_length,
                           tool_format.of(self.tokenizer).name, unsupported=UNSUPPORTED)
 
-    # -- Engine hooks ------------------------------------------------------------
-    def _start(self, request: GenerateRequest) -> None:
-        self._inbox.put((request, time.perf_counter()))
-
-    def cancel(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self._queues:
-                self._cancelled.add(request_id)
-
     def _shutdown(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+        self._stop_scheduler()
         del self.pipe
 
-    # -- the scheduler thread ------------------------------------------------------
-    def _run(self) -> None:
-        waiting: collections.deque[tuple[GenerateRequest, float]] = collections.deque()
-        active: list[Generation] = []
-        while not self._stop.is_set():
-            try:
-                drain_inbox(self._inbox, waiting, block=not active and not waiting)
-                self._drop_cancelled(waiting, active)
-                while waiting and len(active) < self.max_concurrent:
-                    gen = self._admit(*waiting.popleft())
-                    if gen is not None:
-                        active.append(gen)
-                if active:
-                    self.pipe.step()  # one batched forward: a token for every running request
-                for gen in list(active):
-                    if self._read(gen):
-                        active.remove(gen)
-            except Exception:  # a bug in the loop itself: log, keep serving
-                log.exception("batched engine scheduler error")
-        drain_inbox(self._inbox, waiting, block=False)
-        for gen in active:
-            self._end(gen, finished(gen, "error", error="the engine was closed"))
-        refuse_waiting(self._emit, waiting)
-
-    def _drop_cancelled(self, waiting: collections.deque, active: list[Generation]) -> None:
-        with self._lock:
-            if not self._cancelled:
-                return
-            ids = set(self._cancelled)
-        found = {w[0].request_id for w in waiting} | {g.request_id for g in active}
-        with self._lock:
-            self._cancelled = {i for i in self._cancelled - found if i in self._queues}
-        for item in [w for w in waiting if w[0].request_id in ids]:
-            waiting.remove(item)
-            self._emit(TokenEvent(item[0].request_id, finish_reason="cancelled", usage=Usage(0, 0)))
-        for gen in [g for g in active if g.request_id in ids]:
-            active.remove(gen)
-            self._end(gen, finished(gen, "cancelled"))
+    # -- the scheduler thread (TurnEngine._run) ------------------------------------
+    def _turn(self, active: list[Generation]) -> list[Generation]:
+        if active:
+            self.pipe.step()  # one batched forward: a token for every running request
+        return [gen for gen in list(active) if self._read(gen)]
 
     def _admit(self, request: GenerateRequest, t_submit: float) -> Generation | None:
         """Template the prompt and hand it to the pipeline; a bad request ends here."""

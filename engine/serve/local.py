@@ -15,12 +15,8 @@ asks for it gets a mask-rollback stream, and each of its steps verifies
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
-import queue
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,32 +27,11 @@ from engine.models.profile import DEFAULT_CONTEXT  # when config.json names no m
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, finished, step
 from engine.runtime.speculative_local import MaskedOVStream, spec_step
-from engine.serve.interface import Engine, EngineError, EngineInfo
+from engine.serve.inbox import TurnEngine
+from engine.serve.interface import EngineError, EngineInfo
 from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
-
-IDLE_WAIT_S = 0.1  # how long the idle scheduler sleeps between checks
-
-
-def drain_inbox(inbox: queue.SimpleQueue, waiting: collections.deque, block: bool) -> None:
-    """Move submitted requests into `waiting`; with block, wait up to IDLE_WAIT_S for one.
-    Shared by the engines whose scheduler thread admits from an inbox (local, moe)."""
-    try:
-        if block:
-            waiting.append(inbox.get(timeout=IDLE_WAIT_S))
-        while True:
-            waiting.append(inbox.get_nowait())
-    except queue.Empty:
-        pass
-
-
-def refuse_waiting(emit, waiting: collections.deque) -> None:
-    """End every request that was never admitted: the engine is closing."""
-    for req, _t in waiting:
-        emit(TokenEvent(req.request_id, finish_reason="error", error="the engine was closed",
-                        usage=Usage(0, 0)))
-
 
 def context_from_config(model_dir: Path) -> int:
     """The model's trained context length from config.json (DEFAULT_CONTEXT if unknown)."""
@@ -72,7 +47,7 @@ def context_from_config(model_dir: Path) -> int:
     return DEFAULT_CONTEXT
 
 
-class LocalEngine(Engine):
+class LocalEngine(TurnEngine):
     def __init__(self, model_path: Path, model_id: str, device: str = "CPU", precision: str = "default",
                  backend: str = "openvino", max_concurrent: int = 8, context_length: int | None = None,
                  progress: Progress | None = None, prefill_chunk: int = 512,
@@ -106,11 +81,7 @@ class LocalEngine(Engine):
         except Exception as e:
             self.backend.close()
             raise EngineError(f"cannot start speculative decoding: {e}") from e
-        self._inbox: queue.SimpleQueue[tuple[GenerateRequest, float]] = queue.SimpleQueue()
-        self._cancelled: set[str] = set()  # guarded by self._lock
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"flotilla-local-{model_id}", daemon=True)
-        self._thread.start()
+        self._start_scheduler(f"flotilla-local-{model_id}")
 
     @classmethod
     def from_spec(cls, spec: str, progress: Progress | None = None, **kw: Any) -> "LocalEngine":
@@ -133,62 +104,20 @@ class LocalEngine(Engine):
             setter(streams)
 
     # -- Engine hooks ------------------------------------------------------------
-    def _start(self, request: GenerateRequest) -> None:
-        self._inbox.put((request, time.perf_counter()))
-
-    def cancel(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self._queues:  # unknown or finished ids are ignored
-                self._cancelled.add(request_id)
-
     def _shutdown(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+        self._stop_scheduler()
         self.spec.close()
         self.backend.close()
 
-    # -- the scheduler thread ------------------------------------------------------
-    def _run(self) -> None:
-        waiting: collections.deque[tuple[GenerateRequest, float]] = collections.deque()
-        active: list[Generation] = []
-        while not self._stop.is_set():
-            try:
-                self._take_inbox(waiting, block=not active and not waiting)
-                self._drop_cancelled(waiting, active)
-                while waiting and len(active) < self.max_concurrent:
-                    gen = self._admit(*waiting.popleft())
-                    if gen is not None:
-                        active.append(gen)
-                for gen in list(active):
-                    if self._stop.is_set():
-                        break
-                    if self._step(gen):
-                        active.remove(gen)
-            except Exception:  # a bug in the loop itself: log, keep serving
-                log.exception("local engine scheduler error")
-        self._take_inbox(waiting, block=False)
-        for gen in active:
-            self._end(gen, finished(gen, "error", error="the engine was closed"))
-        refuse_waiting(self._emit, waiting)
-
-    def _take_inbox(self, waiting: collections.deque, block: bool) -> None:
-        drain_inbox(self._inbox, waiting, block)
-
-    def _drop_cancelled(self, waiting: collections.deque, active: list[Generation]) -> None:
-        with self._lock:
-            if not self._cancelled:
-                return
-            ids = set(self._cancelled)
-        found = {w[0].request_id for w in waiting} | {g.request_id for g in active}
-        with self._lock:  # keep ids not seen yet (still in the inbox), drop forgotten ones
-            self._cancelled = {i for i in self._cancelled - found if i in self._queues}
-        for req, _t in [w for w in waiting if w[0].request_id in ids]:
-            waiting.remove((req, _t))
-            self._emit(TokenEvent(req.request_id, finish_reason="cancelled", usage=Usage(0, 0)))
-        for gen in [g for g in active if g.request_id in ids]:
-            active.remove(gen)
-            self._end(gen, finished(gen, "cancelled"))
+    # -- the scheduler thread (TurnEngine._run) ------------------------------------
+    def _turn(self, active: list[Generation]) -> list[Generation]:
+        ended = []
+        for gen in list(active):
+            if self._stop.is_set():
+                break
+            if self._step(gen):
+                ended.append(gen)
+        return ended
 
     def _admit(self, request: GenerateRequest, t_submit: float) -> Generation | None:
         """Tokenize and open a stream; a bad request ends here with an error event."""

@@ -14,8 +14,6 @@ interleaving requests would destroy the temporal locality the cache lives on.
 from __future__ import annotations
 
 import gc
-import queue
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -222,11 +220,7 @@ class SparseEngine(LocalEngine):
         self.max_concurrent = max_concurrent
         self.prefill_chunk = prefill_chunk
         self.spec = _NoSpeculation()  # LocalEngine's scheduler hooks; the sparse engine does not speculate
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._cancelled: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"flotilla-sparse-{model_id}", daemon=True)
-        self._thread.start()
+        self._start_scheduler(f"flotilla-sparse-{model_id}")
 
     @classmethod
     def from_spec(cls, spec: str, cfg: SparseConfig = SparseConfig(), progress: Progress | None = None,
