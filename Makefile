@@ -22,7 +22,7 @@ run: setup demo-models
 	$(VENV)/bin/flotilla
 
 test: setup demo-models lint
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=30
 
 setup: sysdeps $(STAMP)
 

@@ -77,6 +77,10 @@ def train_predictor(x: torch.Tensor, gate_w: torch.Tensor, active: torch.Tensor,
             loss = torch.nn.functional.binary_cross_entropy_with_logits(p(x[rows]), y[rows], pos_weight=weight)
             loss.backward()
             opt.step()
+    # Training is over: drop the last gradients (as big as the predictor) and freeze it, or
+    # every layer's predictor would hold twice its size for the life of the engine.
+    p.zero_grad(set_to_none=True)
+    p.requires_grad_(False)
     set_cutoff(p, x, active, cfg.target_recall)
     return p
 

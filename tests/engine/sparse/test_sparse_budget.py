@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.runtime.budget import CODE_RESIDENT_BYTES
 from engine.sparse import engine as sparse_engine
 from engine.sparse.cache import BudgetError
 from engine.sparse.engine import SparseConfig, SparseEngine, kv_reserve_bytes
@@ -22,7 +23,7 @@ def test_auto_budget_is_what_is_left_and_fits(wide_model_bf16, monkeypatch):
     monkeypatch.setattr(sparse_engine, "memory_room", lambda: 400 * 10**6)
     with SparseEngine(wide_model_bf16, "t", SparseConfig(sparsity=0.5, context_length=256)) as eng:
         st = eng.stats()
-        left = 400 * 10**6 - st["kv_reserve_bytes"] - st["working_bytes"]
+        left = 400 * 10**6 - st["kv_reserve_bytes"] - st["working_bytes"] - CODE_RESIDENT_BYTES
         assert st["cache_budget_bytes"] == min(left, eng.backend.layout.num_layers * eng.backend.layout.neurons
                                                * eng.backend.rt.store.cache_slot_bytes)
         assert eng.context_length == 256
