@@ -1,7 +1,8 @@
 """`flotilla bench serve`: several users on one PC, through the HTTP API.
 
-For each engine (--engines; default the local engine's round-robin loop and the
-batched engine, openvino_genai's continuous batching, on the same IR at the same
+For each engine (--engines; default the local engine's round-robin loop, the
+batched engine -- openvino_genai's continuous batching -- and openvino_genai's
+LLMPipeline answering one request at a time, on the same IR at the same
 precision), one after the other in this process: open it, serve it with the
 OpenAI-compatible API on loopback, one warm-up answer, then for each concurrency c
 (--concurrency, default 1,4,8,16) c streaming chat requests at once, each a
@@ -32,16 +33,17 @@ from engine import aio
 
 NAME = "serve"
 HELP = ("several users on one PC through the HTTP API: aggregate tok/s and TTFT p50/p95 at 1, 4, 8 and 16 "
-        "concurrent requests, the local engine's loop vs continuous batching")
+        "concurrent requests, the local engine's loop vs continuous batching vs openvino_genai's LLMPipeline")
 
-ENGINES = ("local", "batched")
+LLM_PIPELINE = "llm-pipeline"  # openvino_genai's LLMPipeline, one request at a time (engine/bench/_llm_pipeline.py)
+ENGINES = ("local", "batched", LLM_PIPELINE)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a random-Llama preset (random-llama-0.9b, random-llama-tiny), a demo id or a model "
                         "folder (default random-llama-0.9b; quick demo)")
-    p.add_argument("--engines", default=",".join(ENGINES), help="engine kinds, comma-separated (default local,batched)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated: local, batched, llm-pipeline (default all three)")
     p.add_argument("--concurrency", default=None, help="concurrent requests per step (default 1,4,8,16; quick 1,4)")
     p.add_argument("--tokens", type=int, default=None, help="new tokens per answer (default 32; quick 8)")
     p.add_argument("--rounds", type=int, default=None, help="rounds over every engine (default 2; quick 1)")
@@ -108,8 +110,14 @@ def _measure(kind: str, path: str, levels: list[int], tokens: int, r: int,
     from engine.serve.factory import EngineOptions, open_engine
 
     t = time.perf_counter()
-    engine = open_engine(path, kind, EngineOptions(extra={"max_concurrent": max(levels)}))
-    if hasattr(engine, "max_concurrent"):
+    options = EngineOptions(extra={"max_concurrent": max(levels)})
+    if kind == LLM_PIPELINE:  # a baseline, not an engine kind users pick
+        from engine.bench._llm_pipeline import open_llm_pipeline
+
+        engine = open_llm_pipeline(path, options, None)
+    else:
+        engine = open_engine(path, kind, options)
+    if hasattr(engine, "max_concurrent") and kind != LLM_PIPELINE:
         engine.max_concurrent = max(levels)
     load_s = time.perf_counter() - t
     try:

@@ -120,6 +120,8 @@ def engine_refusal(request: Any, unsupported: frozenset[str], chat: bool = True)
     asked = []
     if request.sampling.logprobs:
         asked.append("top_logprobs")
+    if request.sampling.logprobs is not None:
+        asked.append("logprobs")
     if request.json_schema is not None:
         asked.append("response_format")
     elif request.constrained:
