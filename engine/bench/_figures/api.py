@@ -67,14 +67,19 @@ SHOW = ("`flotilla bench serve` (0.9 B random Llama, bf16, default precision; st
         "32 greedy tokens through the API; 2 rounds per run, engine order alternating)")
 
 
-def _serve_rows(i: int, c: int) -> tuple[Row, Row]:
-    local, batched = f"{S}:figures.local.levels.{i}", f"{S}:figures.batched.levels.{i}"
+def _serve_rows(i: int, c: int) -> tuple[Row, Row, Row]:
+    local = f"{S}:figures.local.levels.{i}"
     fig = "{%s.aggregate_tok_s|f1} tok/s in all; TTFT p50 {%s.ttft_p50_s|f2} s, p95 {%s.ttft_p95_s|f2} s"
     users = f"{c} concurrent request{'s' if c > 1 else ''}"
+
+    def beside(kind: str, label: str) -> Row:
+        k = f"{S}:figures.{kind}.levels.{i}"
+        return Row(f"{users}: {label}", fig % (k, k, k) + "; {%s.over_first_engine|x} the local engine's tok/s; "
+                   "same answers as it: {%s.same_as_first_engine|pct}" % (k, k), SHOW)
+
     return (Row(f"{users}: local engine (round-robin loop)", fig % (local, local, local), SHOW),
-            Row(f"{users}: batched engine (continuous batching)", fig % (batched, batched, batched)
-                + "; {%s.over_first_engine|x} the local engine's tok/s; same answers as it: "
-                  "{%s.same_as_first_engine|pct}" % (batched, batched), SHOW))
+            beside("batched", "batched engine (continuous batching)"),
+            beside("llm-pipeline", "openvino_genai LLMPipeline (one request at a time)"))
 
 
 SERVE = Table("api-serve", ("several users on one PC", "measured", "how"),

@@ -25,7 +25,9 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "(`--engine batched`, continuous batching) {serve:figures.batched.levels.2.aggregate_tok_s|f1} tok/s "
         "({serve:figures.batched.levels.2.over_first_engine|x}), same answers "
         "{serve:figures.batched.levels.2.same_as_first_engine|pct}; TTFT p50 "
-        "{serve:figures.local.levels.2.ttft_p50_s|f2} s vs {serve:figures.batched.levels.2.ttft_p50_s|f2} s",
+        "{serve:figures.local.levels.2.ttft_p50_s|f2} s vs {serve:figures.batched.levels.2.ttft_p50_s|f2} s; "
+        "openvino_genai's LLMPipeline (one request at a time) "
+        "{serve:figures.llm-pipeline.levels.2.aggregate_tok_s|f1} tok/s",
         "`flotilla bench serve`"),
     Row("prompt caching across a 2-stage pipeline (the same model and history)",
         "{prompt-cache-pipeline:turn2_cached_tokens|int} tokens not prefilled again; time to first token "
