@@ -58,6 +58,11 @@ class LLMPipelineEngine(InboxEngine):
         trained = context_from_config(ir)
         self.context_length = trained
         self.eos_ids = eos_token_ids(ir, self.tokenizer)
+        # One streamer for the engine's life, dropped after the pipeline: the pipeline may keep
+        # the last streamer it was given, and a Python streamer freed before it is a dangling
+        # pointer when the pipeline is destroyed later.
+        self._write: Any = None  # the running request's token handler
+        self._streamer = _Streamer(lambda token: self._write(token))
         self._start_scheduler(f"flotilla-llm-pipeline-{model_id}")
 
     @property
@@ -68,6 +73,7 @@ class LLMPipelineEngine(InboxEngine):
     def _shutdown(self) -> None:
         self._stop_scheduler()
         del self.pipe
+        del self._streamer
 
     def _run(self) -> None:
         waiting: collections.deque[tuple[GenerateRequest, float]] = collections.deque()
@@ -118,14 +124,17 @@ class LLMPipelineEngine(InboxEngine):
         cfg = generation_config(request.sampling, gen.max_new,
                                 frozenset() if request.sampling.ignore_eos else self.eos_ids)
         gen.t_start = time.perf_counter()
+        self._write = write
         try:
-            self.pipe.generate(ov.Tensor(np.array([ids], np.int64)), cfg, _Streamer(write))
+            self.pipe.generate(ov.Tensor(np.array([ids], np.int64)), cfg, self._streamer)
             if not ended:  # the pipeline stopped at a token accept() did not end on (its own EOS list)
                 self._emit(finished(gen, "length" if len(gen.output_ids) >= gen.max_new else "stop",
                                     gen.detok.finish()))
         except Exception as e:
             if not ended:
                 self._emit(finished(gen, "error", error=one_line(e)))
+        finally:
+            self._write = None
 
 
 def _Streamer(write):

@@ -50,7 +50,9 @@ class _Handle:
     cached: int = 0  # the pipeline does not say how much of the prompt its prefix cache held
 
     def close(self) -> None:
-        self.handle.cancel()  # a no-op once the pipeline finished the request
+        if self.handle is not None:
+            self.handle.cancel()  # a no-op once the pipeline finished the request
+        self.handle = None  # no handle outlives the pipeline it came from
 
 
 def generation_config(sampling: SamplingParams, max_new: int, eos_ids: frozenset[int]) -> Any:
