@@ -26,6 +26,7 @@ from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, accept, finished
 from engine.serve.batched import UNSUPPORTED as BATCHED_UNSUPPORTED
 from engine.serve.batched import generation_config
+from engine.serve.batched_worker import generation_config as genai_config
 from engine.serve.fields import engine_refusal
 from engine.serve.inbox import InboxEngine, refuse_waiting
 from engine.serve.interface import EngineError, EngineInfo
@@ -121,8 +122,8 @@ class LLMPipelineEngine(InboxEngine):
                     return ov_genai.StreamingStatus.STOP
             return ov_genai.StreamingStatus.RUNNING
 
-        cfg = generation_config(request.sampling, gen.max_new,
-                                frozenset() if request.sampling.ignore_eos else self.eos_ids)
+        cfg = genai_config(generation_config(request.sampling, gen.max_new,
+                                             frozenset() if request.sampling.ignore_eos else self.eos_ids))
         gen.t_start = time.perf_counter()
         self._write = write
         try:

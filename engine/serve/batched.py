@@ -2,12 +2,14 @@
 
 openvino_genai's ContinuousBatchingPipeline computes every running request's
 next token in one batched inference over a paged KV cache (and splits long
-prompts into chunks it fuses with the others' decode steps); this engine is a
-scheduler thread around it. The pipeline picks the tokens; everything after the
-pick is Flotilla's own: the prompt ids come from request_ids (the chat template,
-tools), and each token goes through generation.accept (text, EOS, stop strings,
-the length limit, usage and timings), so an answer ends the way it does on the
-local engine and the API cannot tell the two apart.
+prompts into chunks it fuses with the others' decode steps). It runs in a child
+process (engine/serve/batched_worker.py has why: its step() holds the GIL); this
+engine is a scheduler thread that sends it prompt ids and reads back token ids.
+The pipeline picks the tokens; everything after the pick is Flotilla's own: the
+prompt ids come from request_ids (the chat template, tools), and each token goes
+through generation.accept (text, EOS, stop strings, the length limit, usage and
+timings), so an answer ends the way it does on the local engine and the API
+cannot tell the two apart.
 
 What the pipeline cannot do is refused before the request runs (EngineInfo.unsupported,
 a 400 naming the field at the API): top_logprobs (it reports the chosen token's
@@ -19,11 +21,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
+import subprocess
+import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.platform import process
 from engine.protocol.errors import one_line
 from engine.protocol.messages import GenerateRequest, SamplingParams, TokenEvent, Usage
 from engine.runtime.backend import Progress
@@ -31,6 +38,7 @@ from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, accept, finished
 from engine.runtime import tool_format
+from engine.serve import batched_worker
 from engine.serve.fields import engine_refusal
 from engine.serve.interface import Engine, EngineError, EngineInfo
 from engine.serve.inbox import TurnEngine
@@ -40,55 +48,96 @@ log = logging.getLogger(__name__)
 
 KV_CACHE_GB = 2  # the paged KV cache's size; the pipeline refuses requests beyond it (IGNORED)
 UNSUPPORTED = frozenset({"top_logprobs", "response_format", "tool_choice", "speculative"})
+TICK_S = 0.05  # longest wait for the pipeline's next step before new requests are looked at
+START_TIMEOUT_S = 900.0  # compiling a large model on a slow PC
+
+
+def generation_config(sampling: SamplingParams, max_new: int, eos_ids: frozenset[int]) -> dict[str, Any]:
+    """The pipeline's GenerationConfig fields for one request. EOS and stop strings are
+    decided by accept() (the pipeline stops at the EOS ids too, so it does not run past them)."""
+    cfg: dict[str, Any] = {"max_new_tokens": max_new, "ignore_eos": sampling.ignore_eos,
+                           "do_sample": sampling.temperature > 0,
+                           "repetition_penalty": sampling.repetition_penalty}
+    if not sampling.ignore_eos and eos_ids:
+        cfg["stop_token_ids"] = sorted(eos_ids)
+    if cfg["do_sample"]:
+        cfg.update(temperature=sampling.temperature, top_p=sampling.top_p)
+        if sampling.top_k:
+            cfg["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            cfg["rng_seed"] = sampling.seed
+    if sampling.logprobs is not None:
+        cfg["logprobs"] = 1
+    return cfg
+
+
+class PipelineProcess:
+    """The child running the pipeline: start it, send it messages, take its step reports."""
+
+    def __init__(self, folder: Path, device: str, precision: str, max_concurrent: int,
+                 kv_cache_gb: float, prefill_chunk: int) -> None:
+        argv = [sys.executable, "-m", "engine.serve.batched_worker", "--folder", str(folder), "--device", device,
+                "--precision", precision, "--max-concurrent", str(max_concurrent),
+                "--kv-cache-gb", str(kv_cache_gb), "--prefill-chunk", str(prefill_chunk)]
+        self.proc = process.spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, die_with_us=True)
+        self._lock = threading.Lock()  # send() comes from the scheduler thread and from close()
+        self._reports: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        threading.Thread(target=batched_worker.read_messages, args=(self.proc.stdout.fileno(), self._reports.put),
+                         name="batched-reports", daemon=True).start()
+        try:
+            first = self._reports.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            first = {"op": "failed", "error": f"no answer within {START_TIMEOUT_S:.0f} s"}
+        if first is None or first["op"] != "ready":
+            self.close()
+            why = first["error"] if first else f"it exited with {self.proc.returncode}"
+            raise EngineError(f"the batching pipeline did not start: {why}")
+
+    def send(self, message: dict[str, Any]) -> None:
+        try:
+            with self._lock:
+                batched_worker.send(self.proc.stdin, message)
+        except (OSError, ValueError) as e:  # a closed pipe: the child is gone
+            raise EngineError(self.ended()) from e
+
+    def ended(self) -> str:
+        return f"the batching pipeline's process ended (exit {self.proc.poll()})"
+
+    def take(self, timeout: float) -> list[list[Any]] | None:
+        """The rows of every step report that arrived (waiting up to timeout for the
+        first); None once the child has ended."""
+        rows: list[list[Any]] = []
+        try:
+            report = self._reports.get(timeout=timeout)
+            while True:
+                if report is None:
+                    self._reports.put(None)  # every later take() sees the end too
+                    return None
+                rows += report["out"]
+                report = self._reports.get_nowait()
+        except queue.Empty:
+            return rows
+
+    def close(self) -> None:
+        process.stop(self.proc, 10.0, ask=self.proc.stdin.close)
 
 
 @dataclass
 class _Handle:
     """A request's place in the pipeline: what Generation.stream holds on this engine."""
 
-    handle: Any  # openvino_genai GenerationHandle
+    rid: int
+    child: PipelineProcess | None  # None once the pipeline has ended the request
     cached: int = 0  # the pipeline does not say how much of the prompt its prefix cache held
+    logprobs: list[float] = field(default_factory=list)
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()  # a no-op once the pipeline finished the request
-        self.handle = None  # no handle outlives the pipeline it came from
-
-
-def generation_config(sampling: SamplingParams, max_new: int, eos_ids: frozenset[int]) -> Any:
-    """The pipeline's GenerationConfig for one request. EOS and stop strings are decided by
-    accept() (the pipeline stops at the EOS ids too, so it does not run past them)."""
-    import openvino_genai as ov_genai
-
-    cfg = ov_genai.GenerationConfig()
-    cfg.max_new_tokens = max_new
-    cfg.ignore_eos = sampling.ignore_eos
-    if not sampling.ignore_eos and eos_ids:
-        cfg.stop_token_ids = set(eos_ids)
-    cfg.do_sample = sampling.temperature > 0
-    if cfg.do_sample:
-        cfg.temperature = sampling.temperature
-        cfg.top_p = sampling.top_p
-        if sampling.top_k:
-            cfg.top_k = sampling.top_k
-        if sampling.seed is not None:
-            cfg.rng_seed = sampling.seed
-    cfg.repetition_penalty = sampling.repetition_penalty
-    if sampling.logprobs is not None:
-        cfg.logprobs = 1
-    return cfg
-
-
-def scheduler_config(max_concurrent: int, kv_cache_gb: float, chunk: int) -> Any:
-    import openvino_genai as ov_genai
-
-    sc = ov_genai.SchedulerConfig()
-    sc.cache_size = max(1, int(round(kv_cache_gb)))  # GB
-    sc.max_num_seqs = max_concurrent
-    sc.max_num_batched_tokens = chunk  # prompt tokens fused into one step with the others' decodes
-    sc.dynamic_split_fuse = True
-    sc.enable_prefix_caching = True
-    return sc
+        if self.child is not None:  # still running there: ask the pipeline to drop it
+            try:
+                self.child.send({"op": "cancel", "id": self.rid})
+            except EngineError:
+                pass  # the child is gone, and the request with it
+        self.child = None
 
 
 class BatchedEngine(TurnEngine):
@@ -103,24 +152,22 @@ class BatchedEngine(TurnEngine):
 
         from engine.runtime.genai_folder import genai_folder
         from engine.runtime.ov_backend import ensure_ir
-        from engine.runtime.ov_compile import compile_config
 
         self.model_id, self.device, self.max_concurrent = model_id, device, max_concurrent
         ir = ensure_ir(Path(model_path), progress=progress)
         try:
-            import openvino_genai as ov_genai
-
             folder = genai_folder(ir)
             self.tokenizer = AutoTokenizer.from_pretrained(ir)
-            self.pipe = ov_genai.ContinuousBatchingPipeline(
-                str(folder), scheduler_config(max_concurrent, kv_cache_gb, prefill_chunk), device,
-                compile_config(device, precision))
         except Exception as e:
             raise EngineError(f"cannot open {model_id} on openvino_genai's batching pipeline: {e}") from e
+        if progress:
+            progress(f"compiling {model_id} for the batching pipeline")
+        self._child = PipelineProcess(folder, device, precision, max_concurrent, kv_cache_gb, prefill_chunk)
         trained = context_from_config(ir)
         self.context_length = min(context_length, trained) if context_length else trained
         self.eos_ids = eos_token_ids(ir, self.tokenizer)
         self._ids = itertools.count()
+        self._running: dict[int, Generation] = {}
         self._start_scheduler(f"flotilla-batched-{model_id}")
 
     @classmethod
@@ -137,66 +184,70 @@ class BatchedEngine(TurnEngine):
 
     def _shutdown(self) -> None:
         self._stop_scheduler()
-        del self.pipe
+        self._child.close()
 
     # -- the scheduler thread (TurnEngine._run) ------------------------------------
     def _turn(self, active: list[Generation]) -> list[Generation]:
-        if active:
-            self.pipe.step()  # one batched forward: a token for every running request
-        return [gen for gen in list(active) if self._read(gen)]
+        if not active:
+            return []
+        rows = self._child.take(TICK_S)
+        if rows is None:  # the pipeline's process ended under us
+            why = self._child.ended()
+            for gen in active:
+                gen.stream.child = None
+                self._end(gen, finished(gen, "error", error=why))
+            return list(active)
+        ended = []
+        for rid, ids, lps, status, error in rows:
+            gen = self._running.get(rid)
+            if gen is not None and gen in active and self._apply(gen, ids, lps, status, error):
+                ended.append(gen)
+        return ended
+
+    def _apply(self, gen: Generation, ids: list[int], lps: list[float], status: str, error: str | None) -> bool:
+        """Feed one request's new tokens through accept(); True when it ended."""
+        if status != "running":
+            gen.stream.child = None  # the pipeline is done with it: nothing to cancel there
+        want_lp = gen.request.sampling.logprobs is not None
+        for i, token in enumerate(ids):
+            event = accept(gen, int(token), logprob=lps[i] if want_lp and i < len(lps) else None)
+            if event.final:
+                self._end(gen, event)
+                return True
+            self._emit(event)
+        if status == "running":
+            return False
+        if status in ("error", "ignored"):
+            why = error if status == "error" else "the pipeline's KV cache cannot hold this request"
+            self._end(gen, finished(gen, "error", error=why))
+        else:  # finished by the pipeline at a token accept() did not end on (its own EOS list)
+            self._end(gen, finished(gen, "length" if len(gen.output_ids) >= gen.max_new else "stop",
+                                    gen.detok.finish()))
+        return True
 
     def _admit(self, request: GenerateRequest, t_submit: float) -> Generation | None:
         """Template the prompt and hand it to the pipeline; a bad request ends here."""
-        import numpy as np
-        import openvino as ov
-
         try:
             refused = engine_refusal(request, UNSUPPORTED)
             if refused is not None:  # the API refuses these before submitting; other callers end here
                 raise ValueError(f"{refused.param} is not supported by the batched engine")
             ids = request_ids(self.tokenizer, request)
-            gen = Generation.create(request, ids, _Handle(None), self.tokenizer, self.eos_ids,
+            rid = next(self._ids)
+            gen = Generation.create(request, ids, _Handle(rid, self._child), self.tokenizer, self.eos_ids,
                                     self.context_length, t_submit=t_submit)
             cfg = generation_config(request.sampling, gen.max_new, frozenset() if request.sampling.ignore_eos
                                     else self.eos_ids)
-            gen.stream = _Handle(self.pipe.add_request(next(self._ids), ov.Tensor(np.array([ids], np.int64)), cfg))
+            self._child.send({"op": "add", "id": rid, "ids": [int(i) for i in ids], "config": cfg})
             gen.t_start = time.perf_counter()
+            self._running[rid] = gen
             return gen
         except Exception as e:
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e), usage=Usage(0, 0)))
             return None
 
-    def _read(self, gen: Generation) -> bool:
-        """Take the tokens the pipeline made for this request; True when it ended."""
-        import openvino_genai as ov_genai
-
-        handle = gen.stream.handle
-        try:
-            if handle.can_read():
-                for out in handle.read().values():  # one sequence per request (no beams, n = 1)
-                    lps = list(out.generated_log_probs) if gen.request.sampling.logprobs is not None else []
-                    for i, token in enumerate(out.generated_ids):
-                        event = accept(gen, int(token), logprob=lps[i] if i < len(lps) else None)
-                        if event.final:
-                            self._end(gen, event)
-                            return True
-                        self._emit(event)
-            status = handle.get_status()
-            if status == ov_genai.GenerationStatus.RUNNING:
-                return False
-            if status == ov_genai.GenerationStatus.IGNORED:
-                raise RuntimeError("the pipeline's KV cache cannot hold this request")
-            # finished by the pipeline at a token accept() did not end on (its own EOS list)
-            self._end(gen, finished(gen, "length" if len(gen.output_ids) >= gen.max_new else "stop",
-                                    gen.detok.finish()))
-            return True
-        except Exception as e:
-            log.exception("request %s failed", gen.request_id)
-            self._end(gen, finished(gen, "error", error=one_line(e)))
-            return True
-
     def _end(self, gen: Generation, event: TokenEvent) -> None:
         try:
+            self._running.pop(gen.stream.rid, None)
             gen.stream.close()
         finally:
             self._emit(event)

@@ -116,3 +116,25 @@ def test_api_serves_it_and_refuses_top_logprobs_with_a_400(engine):
             client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=4, logprobs=True, top_logprobs=2)
         assert e.value.body["param"] == "top_logprobs"
+
+
+def test_a_crashed_pipeline_process_ends_its_requests_with_an_error(demo_path):
+    """The pipeline runs in a child process (its step() holds the GIL): if that process
+    dies, the running answer ends with a one-line error and new ones are refused the same
+    way -- the serving process lives on."""
+    from engine.platform import process
+
+    eng = BatchedEngine(demo_path, "demo", precision="f32", kv_cache_gb=1)
+    try:
+        assert eng._child.proc.pid != __import__("os").getpid()
+        rid = eng.submit(req("doomed", max_tokens=4000, ignore_eos=True))
+        events = eng.stream(rid, timeout=60)
+        first = next(e for e in events if e.token_ids)
+        assert first.finish_reason is None
+        process.kill_tree(eng._child.proc)  # the child this test's engine started
+        final = [e for e in events][-1]
+        assert final.finish_reason == "error" and "process ended" in final.error and "\n" not in final.error
+        _, _, after = collect(eng.generate(req("after", max_tokens=3)))
+        assert after.finish_reason == "error" and "process ended" in after.error
+    finally:
+        eng.close()
