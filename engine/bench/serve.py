@@ -15,6 +15,13 @@ new tokens (ignore_eos). Per concurrency:
 - same_as_first_engine: the share of answers whose text equals the first engine's
   answer to the same prompt (greedy; bf16 math on two kernels can part late in an answer).
 
+Then, on every engine that enforces response_format, the same bursts again with a JSON
+schema (an array of 0..9 digits far longer than --tokens, so every answer still runs
+exactly --tokens tokens and ends on the length limit): constrained_over_free is its
+aggregate tok/s over the free bursts' (per round, same engine, same prompts, same
+lengths), constrained_extra_ms_per_token the extra wall time per token of one answer --
+the constrained-decoding overhead a user of the API sees, mask and grammar included.
+
 Rounds (--rounds) alternate the engines' order; figures are medians over rounds,
 ratios (each engine over the first) are taken per round. Random weights: the text
 is gibberish of a fixed length, which is all a scheduler sees.
@@ -33,10 +40,13 @@ from engine import aio
 
 NAME = "serve"
 HELP = ("several users on one PC through the HTTP API: aggregate tok/s and TTFT p50/p95 at 1, 4, 8 and 16 "
-        "concurrent requests, the local engine's loop vs continuous batching vs openvino_genai's LLMPipeline")
+        "concurrent requests, the local engine's loop vs continuous batching vs openvino_genai's LLMPipeline, "
+        "and the constrained-decoding (JSON schema) overhead per token")
 
 LLM_PIPELINE = "llm-pipeline"  # openvino_genai's LLMPipeline, one request at a time (engine/bench/_llm_pipeline.py)
 ENGINES = ("local", "batched", LLM_PIPELINE)
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+          "minItems": 4096, "maxItems": 4096}  # never complete within --tokens: every answer ends on length
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,11 +74,15 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-async def _one(client: Any, url: str, model: str, prompt: str, tokens: int) -> dict[str, Any]:
+async def _one(client: Any, url: str, model: str, prompt: str, tokens: int,
+               schema: dict[str, Any] | None) -> dict[str, Any]:
     import json
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "digits", "schema": schema, "strict": True}}
     t0 = time.perf_counter()
     first, text, usage = None, [], None
     async with client.stream("POST", url, json=body) as resp:
@@ -90,12 +104,13 @@ async def _one(client: Any, url: str, model: str, prompt: str, tokens: int) -> d
             "tokens": int((usage or {}).get("completion_tokens", 0))}
 
 
-async def _burst(url: str, model: str, c: int, r: int, tokens: int) -> dict[str, Any]:
+async def _burst(url: str, model: str, c: int, r: int, tokens: int,
+                 schema: dict[str, Any] | None = None) -> dict[str, Any]:
     import httpx
 
     async with httpx.AsyncClient(timeout=1800) as client:
         t0 = time.perf_counter()
-        got = await asyncio.gather(*(_one(client, url, model, _prompt(c, i, r), tokens) for i in range(c)))
+        got = await asyncio.gather(*(_one(client, url, model, _prompt(c, i, r), tokens, schema) for i in range(c)))
     wall = max(g["end"] for g in got) - t0
     ttfts = [g["ttft_s"] for g in got]
     return {"concurrency": c, "wall_s": round(wall, 3), "tokens": sum(g["tokens"] for g in got),
@@ -130,9 +145,29 @@ def _measure(kind: str, path: str, levels: list[int], tokens: int, r: int,
                 out["levels"].append(row)
                 report(f"  {kind} c={c}: {row['aggregate_tok_s']:.2f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s "
                        f"p95 {row['ttft_p95_s']:.2f} s")
+            if "response_format" not in engine.info.unsupported:
+                out["constrained_levels"] = []
+                for c in levels:
+                    row = aio.run(_burst(url, engine.info.model_id, c, r, tokens, DIGITS))
+                    if not all(t.startswith("[") and set(t) <= set("[0123456789, \n") for t in row["texts"]):
+                        raise RuntimeError(f"the {kind} engine's answers did not hold to the JSON schema")
+                    out["constrained_levels"].append(row)
+                    report(f"  {kind} c={c} with a JSON schema: {row['aggregate_tok_s']:.2f} tok/s")
             return out
     finally:
         engine.close()
+
+
+def _constrained(per_round: list[dict[str, Any]], kind: str, li: int, c: int) -> dict[str, Any]:
+    """One engine's JSON-schema bursts at one concurrency against its free ones, per round."""
+    pairs = [(rd[kind]["constrained_levels"][li], rd[kind]["levels"][li]) for rd in per_round]
+    return {"concurrency": c,
+            "aggregate_tok_s": statistics.median(j["aggregate_tok_s"] for j, _ in pairs),
+            "ttft_p50_s": statistics.median(j["ttft_p50_s"] for j, _ in pairs),
+            "constrained_over_free": round(statistics.median(j["aggregate_tok_s"] / f["aggregate_tok_s"]
+                                                             for j, f in pairs), 3),
+            "constrained_extra_ms_per_token": round(statistics.median(
+                1000.0 * (j["wall_s"] - f["wall_s"]) / (f["tokens"] / c) for j, f in pairs), 2)}
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
@@ -167,10 +202,12 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                 "same_as_first_engine": statistics.median(same),
             })
         figures[kind] = {"levels": rows, "load_s": statistics.median(rd[kind]["load_s"] for rd in per_round)}
+        if "constrained_levels" in per_round[0][kind]:
+            figures[kind]["constrained"] = [_constrained(per_round, kind, li, c) for li, c in enumerate(levels)]
     best = {c: max(engines, key=lambda k: figures[k]["levels"][i]["aggregate_tok_s"]) for i, c in enumerate(levels)}
     for rd in per_round:  # the texts were compared above; the JSON keeps their lengths only
         for kind in engines:
-            for cell in rd[kind]["levels"]:
+            for cell in rd[kind]["levels"] + rd[kind].get("constrained_levels", []):
                 cell["text_chars"] = [len(t) for t in cell.pop("texts")]
     return {"model": Path(path).name, "engines": engines, "concurrency": levels, "tokens": tokens,
             "rounds": rounds, "figures": figures, "fastest": {str(c): k for c, k in best.items()},

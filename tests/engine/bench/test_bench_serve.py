@@ -31,6 +31,12 @@ def test_serve_bench_runs_every_engine_at_every_concurrency(demo_dir, tmp_path):
                 assert cell["concurrency"] == c and cell["tokens"] == 6 * c  # ignore_eos: every token came
                 assert all(n > 0 for n in cell["text_chars"]) and len(cell["text_chars"]) == c
                 assert 0 < cell["ttft_p50_s"] <= cell["ttft_p95_s"] <= cell["wall_s"]
+        # the JSON-schema bursts ran where response_format is enforced (the bench checks the
+        # answers held to the schema), every answer to its length limit; nowhere else
+        assert [c["tokens"] for c in rd["local"]["constrained_levels"]] == [6, 18]
+        assert "constrained_levels" not in rd["batched"] and "constrained_levels" not in rd["llm-pipeline"]
+    assert [row["concurrency"] for row in out["figures"]["local"]["constrained"]] == [1, 3]
+    assert all(row["constrained_over_free"] > 0 for row in out["figures"]["local"]["constrained"])
     for kind, fig in out["figures"].items():
         for row in fig["levels"]:
             assert 0 <= row["same_as_first_engine"] <= 1 and row["aggregate_tok_s"] > 0
