@@ -55,8 +55,9 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{pipeline-quick:aggregate_tok_s.data_parallel.2|f1} → {pipeline-quick:pipeline_over_data_parallel|x}",
         Q.format("pipeline") + " (93 M Llama, loopback, 1 core per stage)"),
     Row("CurveZMQ on the data plane: 1 − tok/s(CURVE) / tok/s(plaintext), paired runs, 2 streams",
-        "{pipeline-quick:curve_overhead|pct} (goal < 3 %; negative means the CURVE ring was the faster one: "
-        "two identical rings differ by more than CURVE costs here)", Q.format("pipeline")),
+        "{pipeline-quick:curve_overhead|pct} (goal < 3 %; negative means the CURVE ring was the faster one); "
+        "one decode hop's round trip {pipeline-quick:curve_hop_us.added_per_round_trip|f0} µs longer with CURVE "
+        "(2000 round trips)", Q.format("pipeline")),
     Row("speculative decoding: mask rollback vs physical trim",
         "{spec-quick:mask_rollback_ms.1024|f2} ms vs {spec-quick:trim_rollback_ms.1024|f1} ms at context 1024 "
         "({spec-quick:trim_rollback_ms.4096|f1} ms at 4096; a decode step is "
