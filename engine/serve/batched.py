@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +129,6 @@ class _Handle:
     rid: int
     child: PipelineProcess | None  # None once the pipeline has ended the request
     cached: int = 0  # the pipeline does not say how much of the prompt its prefix cache held
-    logprobs: list[float] = field(default_factory=list)
 
     def close(self) -> None:
         if self.child is not None:  # still running there: ask the pipeline to drop it
@@ -167,7 +166,6 @@ class BatchedEngine(TurnEngine):
         self.context_length = min(context_length, trained) if context_length else trained
         self.eos_ids = eos_token_ids(ir, self.tokenizer)
         self._ids = itertools.count()
-        self._running: dict[int, Generation] = {}
         self._start_scheduler(f"flotilla-batched-{model_id}")
 
     @classmethod
@@ -197,11 +195,12 @@ class BatchedEngine(TurnEngine):
                 gen.stream.child = None
                 self._end(gen, finished(gen, "error", error=why))
             return list(active)
+        by_rid = {gen.stream.rid: gen for gen in active}  # an ended request's late rows find none
         ended = []
         for rid, ids, lps, status, error in rows:
-            gen = self._running.get(rid)
-            if gen is not None and gen in active and self._apply(gen, ids, lps, status, error):
-                ended.append(gen)
+            gen = by_rid.get(rid)
+            if gen is not None and self._apply(gen, ids, lps, status, error):
+                ended.append(by_rid.pop(rid))
         return ended
 
     def _apply(self, gen: Generation, ids: list[int], lps: list[float], status: str, error: str | None) -> bool:
@@ -239,7 +238,6 @@ class BatchedEngine(TurnEngine):
                                     else self.eos_ids)
             self._child.send({"op": "add", "id": rid, "ids": [int(i) for i in ids], "config": cfg})
             gen.t_start = time.perf_counter()
-            self._running[rid] = gen
             return gen
         except Exception as e:
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e), usage=Usage(0, 0)))
@@ -247,7 +245,6 @@ class BatchedEngine(TurnEngine):
 
     def _end(self, gen: Generation, event: TokenEvent) -> None:
         try:
-            self._running.pop(gen.stream.rid, None)
             gen.stream.close()
         finally:
             self._emit(event)

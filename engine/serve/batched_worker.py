@@ -30,13 +30,15 @@ import sys
 import threading
 from typing import Any, BinaryIO, Callable
 
+import msgpack
+
+from engine.protocol.errors import one_line
+
 STATUSES = ("running", "finished", "ignored", "cancelled", "error")
 
 
 # -- framing (both ends) ---------------------------------------------------------
 def send(out: BinaryIO, message: dict[str, Any]) -> None:
-    import msgpack
-
     out.write(msgpack.packb(message, use_bin_type=True))
     out.flush()
 
@@ -45,8 +47,6 @@ def read_messages(fd: int, put: Callable[[dict[str, Any] | None], None]) -> None
     """Read msgpack maps from fd until it ends, put() each, then put(None). os.read, not a
     buffered file: a thread blocked in a buffered read holds that file's lock, and a child
     forked meanwhile (OpenVINO's telemetry forks one) would inherit it held."""
-    import msgpack
-
     unpacker = msgpack.Unpacker(raw=False)
     try:
         while chunk := os.read(fd, 1 << 16):
@@ -60,6 +60,10 @@ def read_messages(fd: int, put: Callable[[dict[str, Any] | None], None]) -> None
 
 
 # -- the child -------------------------------------------------------------------
+def _why(e: BaseException) -> str:
+    return one_line(e) or type(e).__name__
+
+
 def scheduler_config(max_concurrent: int, kv_cache_gb: float, chunk: int) -> Any:
     import openvino_genai as ov_genai
 
@@ -126,15 +130,14 @@ def serve(pipe: Any, inbox: queue.SimpleQueue, out: BinaryIO) -> None:
                     handles[m["id"]] = pipe.add_request(m["id"], ov.Tensor(np.array([m["ids"]], np.int64)),
                                                         generation_config(m["config"]))
                 except Exception as e:  # a bad config: this request ends, the others go on
-                    rows.append([m["id"], [], [], "error", str(e).splitlines()[0] if str(e) else type(e).__name__])
+                    rows.append([m["id"], [], [], "error", _why(e)])
             elif m["op"] == "cancel" and m["id"] in handles:
                 handles.pop(m["id"]).cancel()  # the pipeline frees it in its next step
         if handles:
             try:
                 pipe.step()  # one batched forward: a token for every running request
             except Exception as e:
-                why = str(e).splitlines()[0] if str(e) else type(e).__name__
-                rows += [[rid, [], [], "error", why] for rid in handles]
+                rows += [[rid, [], [], "error", _why(e)] for rid in handles]
                 handles.clear()
             for rid, handle in list(handles.items()):
                 ids, lps = _read(handle)
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             args.folder, scheduler_config(args.max_concurrent, args.kv_cache_gb, args.prefill_chunk), args.device,
             compile_config(args.device, args.precision))
     except Exception as e:
-        send(out, {"op": "failed", "error": str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})
+        send(out, {"op": "failed", "error": _why(e)})
         return 1
     send(out, {"op": "ready"})
     try:
