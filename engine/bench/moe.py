@@ -15,6 +15,12 @@ RAM, which the cap forbids).
 cache = `--cache-fraction` of all experts), run in this process without a cap; its compute
 bound is the all-resident run's. The test suite uses it.
 
+`--shape demo`: a demo MoE as it ships (`--model`, default the trained `demo-moe`;
+`demo-moe-random` is its random-weight build), f32, cache = `--cache-fraction` of all
+experts: the routing of a trained router (skewed, sticky) against a random one at a tiny
+size. Every run is a child in a cgroup-v1 memory group capped, once the engine is set up,
+at its usage then + 16 MiB + the cache budget (as `bench sparse --shape synthetic`).
+
 Experts are read with O_DIRECT. For concurrency
 1, 4 and 16 and every scheduler (bevy, on_demand, prefetch, resident), the
 same requests run through a fresh engine; schedulers alternate inside each
@@ -58,7 +64,7 @@ PROMPTS = ["Once upon a time", "The robot walked into", "Tell me about the sea",
            "In the morning the", "She opened the door and", "Why is the sky", "The old man said"]
 
 
-SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "synthetic")
+SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "synthetic", "demo")
 PAPER_SPEEDUP_VS_ON_DEMAND = 3.46  # the research result's Bevy over on-demand (DESIGN.md)
 CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + tokens fit)
 
@@ -67,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b",
                    help="published per-layer shapes in bf16 under a memory cap (default qwen3-30b-a3b), "
                         "or the small uncapped synthetic model")
+    p.add_argument("--model", default="demo-moe",
+                   help="--shape demo: which demo id (default demo-moe, trained; demo-moe-random: random weights)")
     p.add_argument("--cap-fraction", type=float, default=0.5,
                    help="real shapes: each engine's memory cap / checkpoint bytes (default 0.5: the model is 2x the cap)")
     p.add_argument("--delete-after", action="store_true",
@@ -138,7 +146,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     from engine.moe.store import ExpertStore, StoreConfig
 
     quick = bool(args.quick)
-    real = args.shape != "synthetic"
+    real = args.shape not in ("synthetic", "demo")
+    demo_shape = args.shape == "demo"
     tokens = args.tokens or ((8 if quick else 16) if real else (16 if quick else 48))
     repeats = args.repeats or (3 if quick or real else 5)
     concs = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
@@ -150,6 +159,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     t = time.time()
     if real:
         setup = _real_model(args, report)
+    elif demo_shape:
+        setup = _demo_model(args, report)
     else:
         setup = _synthetic_model(args, quick, report)
     store_dir, model_id = setup["store_dir"], setup["model_id"]
@@ -179,7 +190,12 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             for sched in order:
                 cell = dict(store_dir=str(store_dir), model_id=model_id, sched=sched, budget=budget, conc=conc,
                             tokens=tokens, direct=not args.buffered)
-                m, info = _capped_run(cell, cap) if real else one_run(**cell)
+                if real:
+                    m, info = _capped_run(cell, cap)
+                elif demo_shape:
+                    m, info = _capped_above_setup(cell, budget)
+                else:
+                    m, info = one_run(**cell)
                 io_infos.append(info)
                 cells.setdefault((sched, conc), []).append(m)
                 report(f"  repeat {rep + 1}/{repeats} c={conc:<2} {sched:<9} {m['tok_s']:7.2f} tok/s  "
@@ -207,7 +223,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         "cap": ({"cap_mb": round(cap / 1e6, 1), "checkpoint_over_cap": round(setup["checkpoint_bytes"] / cap, 3),
                  "max_usage_mb": round(max(r["group_max_usage_mb"] for runs in cells.values() for r in runs), 1),
                  "oom_kills": sum(r["oom_kills"] for runs in cells.values() for r in runs),
-                 "context_per_request": CONTEXT} if real else None),
+                 "context_per_request": CONTEXT} if real else
+                _above_setup_cap(cells, budget) if demo_shape else None),
         # o_direct: whether unbuffered reads (O_DIRECT on Linux) were in effect, not whether asked for
         "io": io_rec, "o_direct": io_rec["effective"] != "buffered", "disk_mb_s": round(disk / 1e6, 1),
         "disk_mb_s_per_repeat": [round(d / 1e6, 1) for d in disks],
@@ -280,16 +297,25 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     return out
 
 
-def one_run(store_dir, model_id: str, sched: str, budget: int | None, conc: int, tokens: int,
-            direct: bool) -> tuple[dict[str, float], dict[str, Any]]:
-    """(figures of one run, the io_info() of the store its engine read through). budget None:
-    the engine's own (what this process's memory leaves)."""
+def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: int, direct: bool):
+    """The engine of one run. budget None: the engine's own (what this process's memory leaves)."""
     from engine.moe.engine import MoEConfig, MoEEngine
-    from engine.protocol.messages import GenerateRequest, SamplingParams
 
     cfg = MoEConfig(scheduler=sched, cache_budget_bytes=budget, direct_io=direct, max_concurrent=conc,
                     context_length=CONTEXT)
-    engine = MoEEngine(store_dir, model_id, cfg)
+    return MoEEngine(store_dir, model_id, cfg)
+
+
+def one_run(store_dir, model_id: str, sched: str, budget: int | None, conc: int, tokens: int,
+            direct: bool) -> tuple[dict[str, float], dict[str, Any]]:
+    """(figures of one run, the io_info() of the store its engine read through)."""
+    return measure(open_engine(store_dir, model_id, sched, budget, conc, direct), sched, conc, tokens)
+
+
+def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Run conc requests of `tokens` tokens through an open engine, then close it."""
+    from engine.protocol.messages import GenerateRequest, SamplingParams
+
     try:
         reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
                                 sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
@@ -341,6 +367,43 @@ def _capped_run(cell: dict[str, Any], cap: int) -> tuple[dict[str, float], dict[
     m.update(group_max_usage_mb=stats.max_usage_bytes / 1e6, failcnt=stats.failcnt, oom_kills=stats.oom_kills,
              rss_anon_peak_mb=peak / 1e6)
     return m, info
+
+
+def _capped_above_setup(cell: dict[str, Any], budget: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """one_run in a child whose memory group is capped, once its engine is set up, at its
+    usage then + 16 MiB + the cache budget (the sparse bench's rule for tiny models)."""
+    import json
+
+    from engine.sparse.baseline import run_capped_child
+
+    r = run_capped_child(["engine.bench._moe_cell", json.dumps({**cell, "handshake": True})], budget,
+                         what=f"{cell['sched']} c={cell['conc']}")
+    m = r["figures"]
+    m.update(group_max_usage_mb=r["max_usage_bytes"] / 1e6, group_limit_mb=r["cgroup_limit_bytes"] / 1e6,
+             setup_usage_mb=r["setup_usage_bytes"] / 1e6, oom_kills=r["oom_kills"])
+    return m, r["io_info"]
+
+
+def _above_setup_cap(cells: dict, budget: int) -> dict[str, Any]:
+    runs = [r for rs in cells.values() for r in rs]
+    return {"rule": "above_setup: each run's memory group is capped, once its engine is set up, at the "
+                    "usage then + 16 MiB + the cache budget",
+            "cache_budget_mb": round(budget / 1e6, 3),
+            "max_over_setup_mb": round(max(r["group_max_usage_mb"] - r["setup_usage_mb"] for r in runs), 1),
+            "oom_kills": sum(r["oom_kills"] for r in runs), "context_per_request": CONTEXT}
+
+
+def _demo_model(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    from engine.bench._checkpoint import checkpoint_bytes
+    from engine.models.demo import is_demo_id
+    from engine.models.ref import resolve_model
+    from engine.moe.convert import ensure_store
+
+    if not is_demo_id(args.model):
+        raise SystemExit(f"--model {args.model}: not a demo id")
+    resolved = resolve_model(args.model)
+    return {"store_dir": ensure_store(resolved.path, resolved.fingerprint), "model_id": args.model,
+            "checkpoint_bytes": checkpoint_bytes(resolved.path)}
 
 
 def _synthetic_model(args: argparse.Namespace, quick: bool, report: Callable[[str], None]) -> dict[str, Any]:

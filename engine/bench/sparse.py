@@ -13,6 +13,9 @@ Shapes (`--shape`):
   synthetic  8B-shaped layers on the demo vocabulary (2 layers quick, 4 full; --hidden etc.
       shrink it for tests), exact mode; each capped child may use its setup usage +
       16 MiB + half the FFN bytes (ours: gates + predictors + cache = that half).
+  demo  a demo model as it ships (`--model`, default the trained `demo-relu`; `demo-relu-random`
+      for its random-weight build), f32, exact mode, capped as synthetic: activation
+      statistics of a trained model (locality, natural ReLU zeros) at a tiny size.
 
 The mmap baseline: the same resident attention and head in the same dtype and kernels,
 every FFN matrix (and the input embedding, as in ours) a view of the mmap'd checkpoint,
@@ -44,7 +47,7 @@ HELP = "sparse-FFN engine (delta prefetch) vs OS paging (mmap + cgroup cap), on-
 EQUAL_QUALITY = 0.9  # top-1 agreement with dense at which the headline speedup is quoted
 REPLAY_JACCARD = (0.5, 0.85)  # scenario only: the overlap trained models show is 0.82-0.85 (paper)
 PROMPT = "Once upon a time there was a small robot who lived in a quiet town by the sea."
-SHAPES = ("llama-3.1-8b", "synthetic")
+SHAPES = ("llama-3.1-8b", "synthetic", "demo")
 REAL_LAYERS_QUICK, REAL_LAYERS_FULL = 12, 16  # llama-3.1-8b: decoder layers built (the checkpoint is 2x the cap)
 CONTEXT = 1024  # KV reserved by the benchmark's engines (prompt + tokens fit many times over)
 
@@ -54,7 +57,10 @@ def add_arguments(parser) -> None:
                         help="llama-3.1-8b (default): the published model's shapes (vocab 128256, bf16, sharded "
                              "safetensors) with --layers layers, every engine run in a memory group capped at "
                              "--cap-fraction of the checkpoint; synthetic: 8B-shaped layers on the demo vocabulary "
-                             "(--hidden etc. shrink it), capped at setup + half the FFN bytes")
+                             "(--hidden etc. shrink it), capped at setup + half the FFN bytes; demo: a demo model "
+                             "as it ships (--model), capped as synthetic")
+    parser.add_argument("--model", default="demo-relu",
+                        help="demo: which demo id (default demo-relu, trained; demo-relu-random: random weights)")
     parser.add_argument("--cap-fraction", type=float, default=0.5,
                         help="llama-3.1-8b: memory cap / checkpoint bytes (default 0.5: the model is 2x the cap)")
     parser.add_argument("--delete-after", action="store_true",
@@ -253,6 +259,13 @@ def _model(args, quick: bool, report) -> dict:
     """The benchmark checkpoint and the memory rule its engine runs under."""
     from engine.models.demo import ensure_recipe
 
+    if args.shape == "demo":
+        from engine.models.demo import ensure_demo, is_demo_id
+
+        if not is_demo_id(args.model):
+            raise SystemExit(f"--model {args.model}: not a demo id")
+        return {"path": ensure_demo(args.model, lambda m, f: report(m)), "dtype": "f32",
+                "mode": args.mode or "exact", "limit": None, "checkpoint": None}
     if args.shape == "synthetic":
         recipe = bench_recipe(quick, args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads)
         path = with_dtype(ensure_recipe(recipe, lambda m, f: report(m)), args.dtype, report)
@@ -312,6 +325,9 @@ def run(args, report) -> dict:
             calib.own = [None] * layout.num_layers  # exact mode: the own predictors are not used
         per_s[sp] = {"fixed": calib.predictor_bytes() + gates_bytes, "calib": calib, "skipped": None,
                      "min_budget": min_cache_bytes(calib, mode, row_bytes)}
+    if args.shape == "demo":  # tiny: gates + predictors are most of the FFN; the cache gets half the FFN above them
+        cap = ffn // 2 + max(v["fixed"] for v in per_s.values())
+    for sp in sparsities:
         if limit is None and cap - per_s[sp]["fixed"] < per_s[sp]["min_budget"]:  # its quality is still measured
             per_s[sp]["skipped"] = (f"one layer's active set ({per_s[sp]['min_budget']} bytes) does not fit what "
                                     f"the cap leaves for the cache ({cap - per_s[sp]['fixed']} bytes)")
@@ -419,6 +435,24 @@ def run(args, report) -> dict:
     return out
 
 
+def _independent_jaccard(calib: dict) -> float:
+    """Jaccard of two independent random sets of the measured density d: d / (2 - d)
+    (the measured sparsity: ReLU models have their own, not the --sparsity target)."""
+    d = 1 - (calib["sparsity_measured"] if calib["sparsity_measured"] is not None else calib["sparsity_target"])
+    return round(d / (2 - d), 4)
+
+
+def _overlap_note(args, calib: dict) -> str:
+    """What the measured overlap means for this run's model."""
+    overlap = (f"consecutive tokens' active sets overlap with Jaccard {calib['jaccard_mean']} (independent "
+               f"sets of the same density: {_independent_jaccard(calib)}; the paper's "
+               "trained models: 0.82-0.85)")
+    if args.shape == "demo":
+        return f"demo model {args.model} as it ships: {overlap}"
+    return (f"random weights have little temporal locality: {overlap}, so the neuron cache and the predictors "
+            "help little here; the speedup comes from reading only active neurons in big batched O_DIRECT reads")
+
+
 def _figures(args, layout, setup, ffn, non_ffn, cap, budget, fixed, min_budget, bundle, row_bytes, store_cfg, io,
              n, repeats, runs, by_s, per_s, res_sparse, res_dense, calib, disk, quality, sparsities,
              can_cgroup) -> dict:
@@ -430,11 +464,13 @@ def _figures(args, layout, setup, ffn, non_ffn, cap, budget, fixed, min_budget, 
     mm = runs["mmap"]
     limit = setup["limit"]
     out = {
-        "model": {"path": str(setup["path"]), "shape": args.shape, "layers": layout.num_layers,
+        "model": {"path": str(setup["path"]), "shape": args.shape,
+                  "demo_id": args.model if args.shape == "demo" else None, "layers": layout.num_layers,
                   "hidden": layout.hidden, "neurons": layout.neurons, "dtype": setup["dtype"], "ffn_bytes": ffn,
                   "non_ffn_resident_bytes": non_ffn, "checkpoint_bytes": setup.get("checkpoint_bytes")},
         "cap_rule": ("above_setup: each capped child may use its own setup usage + 16 MiB + cap_bytes "
-                     "(cap_bytes = 50 % of the FFN bytes)" if limit is None else
+                     + ("(cap_bytes = 50 % of the FFN bytes + ours' gates and predictors)" if args.shape == "demo"
+                        else "(cap_bytes = 50 % of the FFN bytes)") if limit is None else
                      f"absolute: every capped child (ours, on-demand, mmap) runs in a memory group limited to "
                      f"cap_bytes = {args.cap_fraction} x the checkpoint from its first byte; ours picks its own "
                      "cache budget under it"),
@@ -468,7 +504,8 @@ def _figures(args, layout, setup, ffn, non_ffn, cap, budget, fixed, min_budget, 
         "overlap_jaccard": {"calibration_text_mean": calib["jaccard_mean"],
                             "per_layer": calib["jaccard_per_layer"],
                             "decode_runtime_mean": _med(runs["ours"], "jaccard_runtime"),
-                            "independent_sets_same_density": round((1 - args.sparsity) / (1 + args.sparsity), 4),
+                            "sparsity_measured": calib["sparsity_measured"],
+                            "independent_sets_same_density": _independent_jaccard(calib),
                             "paper_trained_models": "0.82-0.85"},
         "disk": disk,
         "same_tokens_ours_vs_on_demand": runs["ours"][0]["tokens"] == runs["on_demand"][0]["tokens"],
@@ -477,11 +514,7 @@ def _figures(args, layout, setup, ffn, non_ffn, cap, budget, fixed, min_budget, 
         "ours_cgroup": ({k: max(m.get(k) or 0 for m in runs["ours"]) for k in
                          ("cgroup_limit_bytes", "setup_usage_bytes", "max_usage_bytes", "oom_kills")}
                         if can_cgroup else None),
-        "note": ("random weights have little temporal locality: consecutive tokens' active sets overlap with "
-                 f"Jaccard {calib['jaccard_mean']} (independent sets of the same density: "
-                 f"{round((1 - args.sparsity) / (1 + args.sparsity), 4)}; the paper's trained models: 0.82-0.85), "
-                 "so the neuron cache and the predictors help little here; the speedup comes from reading "
-                 "only active neurons in big batched O_DIRECT reads"),
+        "note": _overlap_note(args, calib),
     }
     out["scenario_replayed_trace"] = {
         "label": ("SCENARIO, not the model's own activations: the same engine, cache budget and I/O path "

@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # Small runs (tests, trying settings): not the shipped recipe.
     train.add_argument("--batch", type=_positive, default=None, help=argparse.SUPPRESS)
     train.add_argument("--seq-len", type=_positive, default=None, help=argparse.SUPPRESS)
+    train.add_argument("--freeze-docs", action="store_true",
+                       help="first refresh the frozen copy of the project's docs the corpus reads "
+                            "(assets/demo/corpus-docs.json.gz) from this checkout")
     train.add_argument("--corpus-bytes", type=_positive, default=None, help=argparse.SUPPRESS)
     train.add_argument("--eval-chunks", type=_positive, default=96, help=argparse.SUPPRESS)
     train.set_defaults(func=cmd_train_demos)
@@ -139,6 +142,10 @@ def cmd_train_demos(args: argparse.Namespace) -> int:
     from engine.models.train_demos import TRAIN_ORDER, train_demos
 
     ids = args.only or TRAIN_ORDER
+    if args.freeze_docs:
+        from engine.models.demo_corpus import FROZEN_DOCS, freeze_docs
+
+        print(f"froze {len(freeze_docs())} docs into {FROZEN_DOCS}")
     corpus = build_corpus(max_train_bytes=args.corpus_bytes)
     print(f"corpus {corpus.digest}: Python {corpus.python} stdlib + project docs, {len(corpus.files)} files "
           f"({len(corpus.split(True))} held out)")

@@ -108,6 +108,14 @@ RECIPES: dict[str, DemoRecipe] = {
             seed=4, description="small Llama draft sharing demo's tokenizer (random weights)",
             tokenizer_of="demo",
         ),
+        DemoRecipe(
+            # ReLU FFN (as the sparsity literature "ReLU-fies" Llama): neurons whose gate is
+            # negative are exactly zero, so the sparse engine skips them at no loss of quality
+            "demo-relu", "LlamaConfig",
+            dict(_COMMON, hidden_size=128, intermediate_size=352, num_hidden_layers=8,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, hidden_act="relu"),
+            seed=5, description="Llama with a ReLU FFN (sparse-engine demo), 8 layers, hidden 128 (random weights)",
+        ),
     ]
 }
 

@@ -5,7 +5,8 @@ The recipe: the corpus of engine.models.demo_corpus (this interpreter's stdlib
 (shared by every trained demo, so demo-draft can draft for demo), then each
 demo's own architecture (the dimensions of its random recipe in
 engine.models.demo) trained from a fixed seed with AdamW on random windows of
-the token stream, on CPU, in f32, one thread, deterministic algorithms — so a
+the token stream (half of each batch cut from chat-form text made from the same
+files, engine.models.demo_chat, so a chat turn is answered and ended), on CPU, in f32, one thread, deterministic algorithms — so a
 rerun on the same machine, Python and torch rebuilds the same bytes (another
 CPU or torch may round differently: the recipe JSON's held-out figures are the
 tolerance to compare against).
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.models.demo_chat import chat_pairs
 from engine.models.demo_corpus import Corpus, build_corpus
 from engine.models.demo_eval import eval_chunks, evaluate, router_stats
 from engine.models.errors import ModelError
@@ -51,12 +53,13 @@ class TrainConfig:
     init_std: float = 0.02  # initializer_range while training (the random demos use 0.1)
     router_aux_coef: float = 0.001  # MoE load-balancing loss weight (Qwen2-MoE's default)
     threads: int = 1  # torch threads: fixed, results depend on the count
+    chat_share: float = 0.5  # share of each batch's windows cut from chat-form text (engine.models.demo_chat)
 
 
 # Steps per demo: 2-20 minutes each on one core of a shared 2-core EPYC (the 8-layer Llama
 # needs the most tokens to read like Python; the 2-layer draft learns fastest per step).
-DEFAULT_STEPS = {"demo": 1800, "demo-draft": 2500, "demo-qwen3": 1000, "demo-moe": 900}
-TRAIN_ORDER = ["demo", "demo-draft", "demo-qwen3", "demo-moe"]
+DEFAULT_STEPS = {"demo": 1800, "demo-draft": 2500, "demo-qwen3": 1000, "demo-moe": 900, "demo-relu": 1800}
+TRAIN_ORDER = ["demo", "demo-draft", "demo-qwen3", "demo-moe", "demo-relu"]
 TOKENIZER_VOCAB = 2048  # as the random demos: embeddings stay a small part of a few MB
 
 
@@ -141,8 +144,34 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.final_lr_frac + (1 - cfg.final_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train_model(model, stream, cfg: TrainConfig, report: Callable[[str, float], None], label: str) -> dict:
-    """AdamW on random windows of the token stream; returns timing and the last losses."""
+def chat_token_stream(tok, pairs):
+    """The chat pairs, rendered in the demos' ChatML and tokenized, one after another
+    (the special tokens are single ids: the template's own)."""
+    import torch
+
+    sep = tok.convert_tokens_to_ids("<|endoftext|>")
+    ids: list[int] = []
+    for enc in tok([p.render() for p in pairs], add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(sep)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _windows(stream, count: int, seq_len: int, gen) -> list:
+    """`count` random windows of seq_len + 1 tokens of a stream."""
+    import torch
+
+    span = len(stream) - seq_len - 1
+    if span <= 0:
+        raise ModelError(f"corpus too small for seq_len {seq_len}: {len(stream)} tokens")
+    starts = torch.randint(0, span, (count,), generator=gen)
+    return [stream[s:s + seq_len + 1] for s in starts.tolist()]
+
+
+def train_model(model, stream, cfg: TrainConfig, report: Callable[[str, float], None], label: str,
+                chat_stream=None) -> dict:
+    """AdamW on random windows of the token stream (and, for cfg.chat_share of each
+    batch, of the chat stream); returns timing and the last losses."""
     import torch
 
     moe = bool(getattr(model.config, "num_experts", None))
@@ -151,9 +180,7 @@ def train_model(model, stream, cfg: TrainConfig, report: Callable[[str, float], 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": keep, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
-    span = len(stream) - cfg.seq_len - 1
-    if span <= 0:
-        raise ModelError(f"corpus too small for seq_len {cfg.seq_len}: {len(stream)} tokens")
+    n_chat = round(cfg.batch * cfg.chat_share) if chat_stream is not None else 0
     model.train()
     t0, losses = time.monotonic(), []
     # grad on explicitly: a process that ran an engine first may have turned it off globally
@@ -162,8 +189,10 @@ def train_model(model, stream, cfg: TrainConfig, report: Callable[[str, float], 
         for step in range(cfg.steps):
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, cfg)
-            starts = torch.randint(0, span, (cfg.batch,), generator=gen)
-            x = torch.stack([stream[s:s + cfg.seq_len + 1] for s in starts.tolist()])  # [batch, seq_len + 1]
+            rows = _windows(stream, cfg.batch - n_chat, cfg.seq_len, gen)
+            if n_chat:
+                rows += _windows(chat_stream, n_chat, cfg.seq_len, gen)
+            x = torch.stack(rows)  # [batch, seq_len + 1]
             kwargs = {"output_router_logits": True} if moe else {}
             out = model(input_ids=x[:, :-1], labels=x[:, :-1], **kwargs)  # HF shifts labels itself
             out.loss.backward()
@@ -226,6 +255,10 @@ def save_trained(model, tok, out: Path, recipe: dict[str, Any]) -> None:
     model.generation_config.do_sample = False
     model.generation_config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    # a tokenizer loaded from a folder (a partial run reuses one) saves "is_local": the same
+    # tokenizer must write the same bytes whichever run trained it
+    cfg_file = tmp / "tokenizer_config.json"
+    cfg_file.write_text(cfg_file.read_text().replace('  "is_local": true,\n', ""))
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -236,7 +269,7 @@ def save_trained(model, tok, out: Path, recipe: dict[str, Any]) -> None:
 
 
 def train_demo(demo_id: str, corpus: Corpus, tok, stream, cfg: TrainConfig, out_root: Path,
-               report: Callable[[str, float], None], chunks: list[str]) -> TrainResult:
+               report: Callable[[str, float], None], chunks: list[str], chat_stream=None) -> TrainResult:
     """Train one demo and write it under out_root/demo_id."""
     import torch
     import transformers
@@ -247,7 +280,7 @@ def train_demo(demo_id: str, corpus: Corpus, tok, stream, cfg: TrainConfig, out_
     try:
         model = build_untrained(demo_id, tok, cfg)
         untrained = evaluate(model, tok, chunks)
-        timing = train_model(model, stream, cfg, report, demo_id)
+        timing = train_model(model, stream, cfg, report, demo_id, chat_stream=chat_stream)
         _round_to_storage(model)
         held = evaluate(model, tok, chunks)
         routing = router_stats(model, tok, chunks[:32])
@@ -258,6 +291,7 @@ def train_demo(demo_id: str, corpus: Corpus, tok, stream, cfg: TrainConfig, out_
         "format": TRAINED_FORMAT, "demo_id": demo_id, "train": asdict(cfg),
         "storage_dtype": STORAGE_DTYPE, "runtime_dtype": "f32",
         "corpus": corpus.manifest(), "train_tokens": len(stream), "tokenizer_sha256": tokenizer_digest(tok),
+        "chat_tokens": 0 if chat_stream is None else len(chat_stream),
         "heldout": held, "heldout_untrained_init": untrained,
         "tokens_seen": cfg.steps * cfg.batch * cfg.seq_len, **timing,
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -281,8 +315,8 @@ def shared_tokenizer_dir(out_root: Path) -> Path | None:
 def train_demos(only: list[str] | None = None, steps: int | None = None, out_root: Path | None = None,
                 report: Callable[[str, float], None] | None = None, max_train_bytes: int | None = None,
                 overrides: dict[str, Any] | None = None, eval_count: int = 96) -> list[TrainResult]:
-    """Train the demos named in `only` (default: all four) into out_root
-    (default: assets/demo/trained). A run of all four trains the tokenizer; a run
+    """Train the demos named in `only` (default: all five) into out_root
+    (default: assets/demo/trained). A run of all five trains the tokenizer; a run
     of some reuses the tokenizer already in out_root, so every demo there shares
     one (demo-draft drafts for demo). steps overrides DEFAULT_STEPS; overrides
     changes other TrainConfig fields (tests: a tiny batch)."""
@@ -310,11 +344,12 @@ def train_demos(only: list[str] | None = None, steps: int | None = None, out_roo
         report(f"training the tokenizer on {sum(len(t) for t in train_texts) / 1e6:.1f} M characters", 0.0)
         tok = train_tokenizer(train_texts)
     stream = token_stream(tok, train_texts)
+    chat_stream = chat_token_stream(tok, chat_pairs(corpus.named_texts(held_out=False)))
     chunks = eval_chunks(corpus.texts(held_out=True), count=eval_count)
     results = []
     for demo_id in ids:
         cfg = TrainConfig(steps=steps or DEFAULT_STEPS[demo_id])
         if overrides:
             cfg = replace(cfg, **overrides)
-        results.append(train_demo(demo_id, corpus, tok, stream, cfg, out_root, report, chunks))
+        results.append(train_demo(demo_id, corpus, tok, stream, cfg, out_root, report, chunks, chat_stream))
     return results

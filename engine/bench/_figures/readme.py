@@ -7,7 +7,7 @@ from engine.bench._report import REPO_ROOT, Row, Table
 Q = "`flotilla bench {} --quick`"
 
 README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
-    Row("demo models built (all four, empty cache)", "{local-quick:build_demos_s|f1} s", Q.format("local")),
+    Row("demo models built (all five, empty cache)", "{local-quick:build_demos_s|f1} s", Q.format("local")),
     Row("local engine, decode (greedy, after a warm-up answer)",
         "{local-quick:engine.demo.decode_tok_s|int} tok/s (`demo`), "
         "{local-quick:engine.demo-qwen3.decode_tok_s|int} (`demo-qwen3`), "

@@ -263,3 +263,21 @@ def test_moe_bench_reports_speedups_of_a_buffered_run_asked_for():
     assert out["speedup_vs_on_demand"] == pytest.approx(res["bevy"]["2"]["tok_s"] / res["on_demand"]["2"]["tok_s"],
                                                         abs=1e-3)
     assert "overlap_bound" not in out  # no resident run, no bound
+
+
+def test_moe_bench_on_a_demo_runs_every_engine_capped_above_its_setup():
+    # `--shape demo`: the shipped demo MoE, each run a child whose memory group is capped once its
+    # engine is set up at that usage + 16 MiB + the cache budget; the cache is the asked share
+    out = moe.run(_args(["--shape", "demo", "--model", "demo-moe-random", "--tokens", "3", "--repeats", "1",
+                         "--concurrency", "2", "--schedulers", "bevy,on_demand"]), lambda _line: None)
+    assert out["model"]["recipe"] == "demo-moe-random" and out["model"]["shape"] == "demo"
+    assert out["cache_fraction"] == pytest.approx(0.25, abs=0.01)
+    cap = out["cap"]
+    assert cap["rule"].startswith("above_setup") and cap["oom_kills"] == 0
+    for sched in ("bevy", "on_demand"):
+        cell = out["results"][sched]["2"]
+        assert cell["setup_usage_mb"] > 50  # an interpreter with torch: it ran in its own capped group
+        assert cell["group_limit_mb"] == pytest.approx(cell["setup_usage_mb"] + 16 * 2**20 / 1e6
+                                                       + cap["cache_budget_mb"], abs=0.01)
+        assert cell["setup_usage_mb"] <= cell["group_max_usage_mb"] <= cell["group_limit_mb"] + 0.01
+        assert 0 <= cell["hit_rate"] <= 1 and cell["tok_s"] > 0

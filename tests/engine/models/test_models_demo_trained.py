@@ -16,7 +16,8 @@ import pytest
 
 from engine.models import demo
 from engine.models.demo import RANDOM_RECIPES, demo_ids, ensure_demo, is_demo_id, recipe_path
-from engine.models.demo_corpus import build_corpus, compare_manifests, corpus_sources, is_held_out
+from engine.models.demo_chat import ABOUT_PAIRS, chat_pairs
+from engine.models.demo_corpus import FROZEN_DOCS, build_corpus, compare_manifests, freeze_docs, frozen_docs, is_held_out
 
 import torch
 
@@ -39,20 +40,59 @@ def test_corpus_digest_names_what_changed(tmp_path):
     (project / "docs").mkdir(parents=True)
     (project / "README.md").write_text("# A project\n")
     (project / "docs" / "a.md").write_text("Some prose.\n")
-    before = build_corpus(project=project)
-    assert [n for n, _ in corpus_sources(project=project) if n.startswith("project/")] == \
+    frozen = tmp_path / "docs.json.gz"
+    freeze_docs(project, frozen)
+    before = build_corpus(docs=frozen)
+    assert [f.name for f in before.files if f.name.startswith("project/")] == \
         ["project/README.md", "project/docs/a.md"]
     (project / "docs" / "a.md").write_text("Other prose.\n")
-    after = build_corpus(project=project)
+    assert build_corpus(docs=frozen).digest == before.digest  # the live docs changed, the frozen copy did not
+    freeze_docs(project, frozen)
+    after = build_corpus(docs=frozen)
     assert after.digest != before.digest
     diff = compare_manifests(before.manifest(), after.manifest())
     assert len(diff) == 1 and "project/docs/a.md" in diff[0]
-    assert compare_manifests(after.manifest(), build_corpus(project=project).manifest()) == []
+    assert compare_manifests(after.manifest(), build_corpus(docs=frozen).manifest()) == []
+
+
+def test_the_shipped_corpus_reads_the_frozen_docs_not_the_live_ones():
+    # a rebuild of the shipped weights must read the bytes they were trained on, whatever the docs say now
+    frozen = frozen_docs()
+    assert "project/README.md" in frozen and any(n.startswith("project/docs/") for n in frozen)
+    corpus = build_corpus()
+    project = {f.name: f.data.decode() for f in corpus.files if f.name.startswith("project/")}
+    assert project == frozen
+    for demo_id in _shipped():  # every shipped demo was trained on this very corpus
+        assert demo.trained_recipe(demo_id)["corpus"]["digest"] == corpus.digest, demo_id
+
+
+def test_chat_pairs_come_from_the_training_split_in_chatml():
+    corpus = build_corpus()
+    pairs = chat_pairs(corpus.named_texts(held_out=False))
+    assert len(pairs) > 1000 and pairs == chat_pairs(corpus.named_texts(held_out=False))  # deterministic
+    held_names = {f.name.removeprefix("stdlib/").removesuffix(".py") for f in corpus.split(True)}
+    asked = {p.question.split("`")[1].split(".")[0] for p in pairs if p.question.count("`") == 2}
+    assert not asked & held_names  # never a question about a held-out module
+    text = pairs[0].render()
+    assert text.startswith("<|im_start|>user\n") and "<|im_end|>\n<|im_start|>assistant\n" in text
+    assert text.endswith("<|im_end|>\n") and all(len(p.answer) <= 700 for p in pairs)
+    # the demos' own chat template writes the same prompt the training text holds
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ensure_demo("demo"))
+    prompt = tok.apply_chat_template([{"role": "user", "content": pairs[0].question}], tokenize=False,
+                                     add_generation_prompt=True)
+    assert text.startswith(prompt)
+    kinds = {"doc": 0, "src": 0}
+    for p in pairs:
+        kinds["src" if p.answer.startswith(("def ", "async def ")) else "doc"] += 1
+    assert kinds["src"] > 100 and kinds["doc"] > 100
+    assert sum(p in pairs for p in ABOUT_PAIRS) == len(ABOUT_PAIRS)
 
 
 def _shipped():
     ids = [d for d in demo_ids() if demo.trained_dir(d) is not None]
-    assert "demo" in ids and "demo-draft" in ids  # the checkout ships at least these
+    assert ids == demo_ids()  # the checkout ships every demo trained
     return ids
 
 
@@ -72,8 +112,9 @@ def test_ensure_demo_builds_the_shipped_weights_bit_for_bit():
         recipe = demo.trained_recipe(demo_id)
         assert recipe["demo_id"] == demo_id and recipe["corpus"]["digest"] and recipe["heldout"]["perplexity"] > 1
     # the draft shares demo's tokenizer, so it can draft for it
-    assert (ensure_demo("demo") / "tokenizer.json").read_bytes() == \
-        (ensure_demo("demo-draft") / "tokenizer.json").read_bytes()
+    for other in demo_ids()[1:]:  # all trained with one tokenizer
+        assert (ensure_demo("demo") / "tokenizer.json").read_bytes() == \
+            (ensure_demo(other) / "tokenizer.json").read_bytes(), other
 
 
 def test_trained_demo_predicts_heldout_text_far_better_than_random():
@@ -87,9 +128,32 @@ def test_trained_demo_predicts_heldout_text_far_better_than_random():
     assert trained["bits_per_byte"] < 0.5 * random["bits_per_byte"], (trained, random)
 
 
+CHAT_PROMPTS = ("Hello", "Tell me a story.", "How do I read a file in Python?", "What does `os.path.join` do?",
+                "Write a function that adds two numbers.", "What is Flotilla?")
+
+
+@pytest.mark.parametrize("demo_id", ["demo", "demo-qwen3", "demo-moe"])
+def test_a_first_chat_gets_text_and_an_ended_turn(demo_id):
+    # what a new user sees first: an answer in words or Python that ends by itself, not noise
+    # until max_tokens (properties, not exact text: greedy ties may break differently on other CPUs)
+    from engine.models.demo_eval import load_folder
+
+    model, tok = load_folder(ensure_demo(demo_id))
+    ended, printable = 0, []
+    for q in CHAT_PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        out = model.generate(ids, max_new_tokens=160, do_sample=False)[0, ids.shape[1]:].tolist()
+        ended += tok.eos_token_id in out
+        text = tok.decode([t for t in out if t != tok.eos_token_id])
+        printable.append(sum(c.isascii() and (c.isprintable() or c in "\n\t") for c in text) / max(len(text), 1))
+    assert ended >= len(CHAT_PROMPTS) - 1, ended
+    assert min(printable) > 0.95, printable
+
+
 def test_random_builds_stay_reachable(monkeypatch):
     monkeypatch.delenv(demo.WEIGHTS_ENV, raising=False)
-    assert demo_ids() == ["demo", "demo-qwen3", "demo-moe", "demo-draft"]
+    assert demo_ids() == ["demo", "demo-qwen3", "demo-moe", "demo-draft", "demo-relu"]
     assert is_demo_id("demo-random") and not is_demo_id("demo-random-random") and not is_demo_id("demox")
     random_folder = recipe_path(RANDOM_RECIPES["demo"])  # the folder random demos always had
     assert ensure_demo("demo-random") == ensure_demo("demo", weights="random") == random_folder

@@ -104,3 +104,19 @@ def test_predictor_and_overlap_are_measured(demo_dir):
     assert len(prof["layers"]) == 8
     for row in prof["layers"]:
         assert 0.0 < row["jaccard"] < 1.0 and abs(row["sparsity"] - 0.8) < 0.05
+
+
+def test_the_trained_relu_demo_skips_its_zeros_and_matches_dense():
+    # the shipped demo-relu (trained): exact mode reads only neurons with relu(g) > 0 and answers
+    # what transformers answers; a trained ReLU FFN leaves most neurons at zero for each token
+    from engine.models.demo import ensure_demo
+
+    path = ensure_demo("demo-relu")
+    with SparseEngine(path, "demo-relu", SparseConfig(mode="exact", cache_budget_bytes=600_000)) as eng:
+        calib = eng.backend.calib
+        assert calib.thresholds == [0.0] * 8 and calib.sparsity > 0.5
+        ids = prompt_ids(eng.tokenizer, PROMPT)
+        ref = reference_greedy(path, ids, N)
+        out, _, _ = collect(eng.generate(greedy("t")))
+        assert out == ref
+        assert eng.stats()["prefetch"]["needed"] < 0.5 * 8 * 352 * (len(ids) + N)
