@@ -518,15 +518,8 @@ def reset_flight(f: Any, stream_id: str) -> None:
     f.in_flight = 0
     f.sent_at = 0.0
     spec = getattr(f, "spec", None)  # speculative decoding (engine/pipeline/speculative.py)
-    if spec is not None:
-        resync = getattr(spec, "on_ring_reset", None)
-        if resync is not None:  # it re-syncs itself: new KV = prompt + answer, nothing hidden
-            resync(f)
-        else:  # plain decoding from here on: greedy output is the same, only slower
-            try:
-                spec.close()
-            finally:
-                f.spec = None
+    if spec is not None:  # it re-syncs itself and goes on: new KV = prompt + answer, nothing hidden
+        spec.on_ring_reset(f)
 
 
 def replan_onto(model: Any, peers: Sequence[Any], request: Any, links: Any = None) -> Any:

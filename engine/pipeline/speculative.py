@@ -55,7 +55,10 @@ class RingSpeculation:
         self.draft_model: DraftModel | None = None
         # summed over finished streams: drafted, accepted, rejections, verify steps (for benchmarks)
         self.totals = {"proposed": 0, "accepted": 0, "rejections": 0, "steps": 0, "compactions": 0}
-        if config.mode == "draft":
+        if config.mode == "draft" or config.draft_model:
+            # at launch, not at the first request that drafts: loading and compiling the draft on
+            # the coordinator's loop stalls it for seconds, and the stages' pongs go unread meanwhile
+            # (seen: a false "stopped answering" recovery on a cold cache)
             self._draft_model()
 
     def _draft_model(self) -> DraftModel:
@@ -159,6 +162,15 @@ class StreamSpeculation:
             self.session.current = None
             return False
         return True
+
+    def on_ring_reset(self, f: Any) -> None:
+        """A recovery (engine/pipeline/recovery.py) renamed the stream and replays prompt +
+        answer onto the new ring, nothing hidden: a verify step in flight is gone, and the
+        next build() re-syncs the mirror with what the new stages hold (f.past)."""
+        self.verifying = False
+        self.session.current = None
+        self.hide = []
+        self.stream_id = ""
 
     def close(self) -> None:
         a = self.session.adaptive
