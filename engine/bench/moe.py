@@ -72,7 +72,7 @@ CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + t
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b",
                    help="published per-layer shapes in bf16 under a memory cap (default qwen3-30b-a3b), "
-                        "or the small uncapped synthetic model")
+                        "the small uncapped synthetic model, or a shipped demo MoE (--model), capped above its set-up")
     p.add_argument("--model", default="demo-moe",
                    help="--shape demo: which demo id (default demo-moe, trained; demo-moe-random: random weights)")
     p.add_argument("--cap-fraction", type=float, default=0.5,

@@ -53,6 +53,20 @@ LOCALITY = Table(
      _locality_row("demo-relu", "`demo-relu` (ReLU), natural zeros")))
 
 
+def _layer_row(layer: int) -> Row:
+    cells = tuple(_f(D, f"locality.{demo_id}.{label}.per_layer.{layer}.{key}", fmt)
+                  for demo_id in ("demo", "demo-relu") for label in ("trained", "random")
+                  for key, fmt in (("jaccard", "f2"), ("sparsity", "pct")))
+    return Row(str(layer), " | ".join(cells), DQ)
+
+
+LOCALITY_LAYERS = Table(
+    "demos-locality-layers",
+    ("layer", "`demo` trained: Jaccard | sparsity | `demo` random: Jaccard | sparsity | `demo-relu` trained: "
+     "Jaccard | sparsity | `demo-relu` random: Jaccard | sparsity", "how"),  # type: ignore[arg-type]
+    tuple(_layer_row(i) for i in range(8)))
+
+
 def _routing_row(label: str) -> Row:
     p = f"heldout.demo-moe.{label}.routing_mean."
     cells = (_f(D, p + "entropy", "f3"), _f(D, p + "top_share", "pct"), _f(D, p + "sticky", "pct"))
@@ -87,7 +101,8 @@ def _sparse_row(src: str, demo_id: str) -> Row:
 
 SPARSE = Table(
     "demos-sparse",
-    ("model (ReLU, f32, exact mode; cache: half the FFN)", "Jaccard | independent sets | sparsity | neuron-cache "
+    ("model (ReLU, f32, exact mode; cache: half the FFN)", "Jaccard (calibration text) | independent sets | "
+     "sparsity | neuron-cache "
      "hit rate | bytes read / token | tok/s, ours | on-demand | ours over on-demand | reads",
      "how"),  # type: ignore[arg-type]
     (_sparse_row("sparse-demo-relu", "demo-relu"), _sparse_row("sparse-demo-relu-random", "demo-relu-random")))
@@ -112,4 +127,4 @@ MOE = Table(
     (_moe_row("moe-demo", "demo-moe"), _moe_row("moe-demo-random", "demo-moe-random")))
 
 FILE = REPO_ROOT / "docs" / "demo-models.md"
-TABLES = (HELDOUT, LOCALITY, ROUTING, DRAFT, SPARSE, MOE)
+TABLES = (HELDOUT, LOCALITY, LOCALITY_LAYERS, ROUTING, DRAFT, SPARSE, MOE)
