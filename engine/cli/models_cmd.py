@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train = msub.add_parser("train-demos", help="train the demo models on the Python stdlib + docs "
                                                 "(minutes each, CPU; writes assets/demo/trained)")
     train.add_argument("--only", type=_id_list, default=None, metavar="ID,...",
-                       help="demo ids to train (default: demo, demo-draft, demo-qwen3, demo-moe)")
+                       help="demo ids to train (default: all five, one tokenizer)")
     train.add_argument("--steps", type=_positive, default=None, help="optimizer steps (default: per model)")
     train.add_argument("--out", type=Path, default=None, help="output folder (default: assets/demo/trained)")
     # Small runs (tests, trying settings): not the shipped recipe.
