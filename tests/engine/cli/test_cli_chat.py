@@ -19,9 +19,14 @@ def test_one_shot_prompt_matches_engine(demo_engine_f32):
     proc = run_cli("chat", "--model", "demo", "--precision", "f32", "-p", "Tell me a story about a robot.",
                    "--max-tokens", "16")
     assert proc.returncode == 0, proc.stderr
-    expected = _engine_answer(demo_engine_f32, [ChatMessage("user", "Tell me a story about a robot.")], 16)
-    assert proc.stdout == expected + "\n"
-    assert "tok/s" in proc.stderr and "16 tokens" in proc.stderr
+    req = GenerateRequest(request_id="ref-n", messages=(ChatMessage("user", "Tell me a story about a robot."),),
+                          sampling=SamplingParams(max_tokens=16))
+    events = list(demo_engine_f32.generate(req))
+    assert proc.stdout == "".join(ev.text for ev in events) + "\n"
+    # the trained demo may end its turn before the limit: the stats line counts what it wrote
+    final = events[-1]
+    assert "tok/s" in proc.stderr and f"[{final.usage.completion_tokens} tokens" in proc.stderr
+    assert f"· {final.finish_reason}]" in proc.stderr
 
 
 def test_repl_keeps_the_conversation(demo_engine_f32):

@@ -40,7 +40,8 @@ def _greedy(monkeypatch, portable: bool) -> tuple[list[list[int]], dict, str, st
         out = []
         for i, p in enumerate(PROMPTS):
             ids, _, final = collect(eng.generate(GenerateRequest(f"r{i}", prompt=p,
-                                                                 sampling=SamplingParams(max_tokens=N))))
+                                                                 sampling=SamplingParams(max_tokens=N,
+                                                                                         ignore_eos=True))))
             assert final.error is None, final.error
             out.append(ids)
         return out, eng.stats(), eng.store.io_reader, eng.store.io_mode

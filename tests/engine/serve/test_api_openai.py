@@ -19,6 +19,9 @@ from engine.serve.api import ApiServer, create_app
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Tell me about the little town by the river."}]
 PROMPT = "Once upon a time there was a"
+# The trained demo ends its turn when it has answered (often in a few tokens); tests of
+# length and usage counts ask it to go on to max_tokens (the ignore_eos extension).
+LONG = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,8 @@ def test_models_list(client, engine):
 
 
 def test_chat_non_streaming_text_and_usage(client, tokenizer):
-    out = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=8, temperature=0)
+    out = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=8, temperature=0,
+                                         extra_body=LONG)
     assert out.id.startswith("chatcmpl-") and out.object == "chat.completion" and out.model == "demo"
     choice = out.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
@@ -68,7 +72,7 @@ def test_chat_non_streaming_text_and_usage(client, tokenizer):
 
 
 def test_chat_streaming_matches_non_streaming(client, tokenizer):
-    kw = dict(model="demo", messages=CHAT, max_completion_tokens=12, temperature=0)
+    kw = dict(model="demo", messages=CHAT, max_completion_tokens=12, temperature=0, extra_body=LONG)
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True,
                                                  stream_options={"include_usage": True}))
@@ -93,7 +97,7 @@ def test_stream_without_include_usage_has_no_usage_chunk(client):
 
 
 def test_completions_non_streaming_and_streaming(client, tokenizer):
-    kw = dict(model="demo", prompt=PROMPT, max_tokens=10, temperature=0)
+    kw = dict(model="demo", prompt=PROMPT, max_tokens=10, temperature=0, extra_body=LONG)
     whole = client.completions.create(**kw)
     assert whole.id.startswith("cmpl-") and whole.object == "text_completion"
     assert whole.choices[0].text and whole.choices[0].finish_reason == "length"
@@ -110,14 +114,14 @@ def test_completions_non_streaming_and_streaming(client, tokenizer):
 def test_concurrent_requests_equal_alone(server, client, tokenizer):
     convs = [[{"role": "user", "content": f"Question number {i}: what did the {w} see?"}]
              for i, w in enumerate(["fox", "king", "child", "sailor"])]
-    alone = [client.chat.completions.create(model="demo", messages=m, max_tokens=16, temperature=0)
+    alone = [client.chat.completions.create(model="demo", messages=m, max_tokens=16, temperature=0, extra_body=LONG)
              for m in convs]
 
     async def together():
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
                                       timeout=60) as aclient:
             calls = [aclient.chat.completions.create(model="demo", messages=m, max_tokens=16,
-                                                     temperature=0) for m in convs]
+                                                     temperature=0, extra_body=LONG) for m in convs]
             return await asyncio.gather(*calls)
 
     for m, one, many in zip(convs, alone, asyncio.run(together())):
