@@ -6,7 +6,8 @@ The recipe: the corpus of engine.models.demo_corpus (this interpreter's stdlib
 demo's own architecture (the dimensions of its random recipe in
 engine.models.demo) trained from a fixed seed with AdamW on random windows of
 the token stream (half of each batch cut from chat-form text made from the same
-files, engine.models.demo_chat, so a chat turn is answered and ended), on CPU, in f32, one thread, deterministic algorithms — so a
+files, engine.models.demo_chat, so a chat turn is answered and ended), on CPU,
+in f32, one thread, deterministic algorithms — so a
 rerun on the same machine, Python and torch rebuilds the same bytes (another
 CPU or torch may round differently: the recipe JSON's held-out figures are the
 tolerance to compare against).
@@ -145,16 +146,9 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def chat_token_stream(tok, pairs):
-    """The chat pairs, rendered in the demos' ChatML and tokenized, one after another
-    (the special tokens are single ids: the template's own)."""
-    import torch
-
-    sep = tok.convert_tokens_to_ids("<|endoftext|>")
-    ids: list[int] = []
-    for enc in tok([p.render() for p in pairs], add_special_tokens=False)["input_ids"]:
-        ids.extend(enc)
-        ids.append(sep)
-    return torch.tensor(ids, dtype=torch.long)
+    """The chat pairs rendered in the demos' ChatML, as one token stream (the special
+    tokens are single ids: the template's own)."""
+    return token_stream(tok, [p.render() for p in pairs])
 
 
 def _windows(stream, count: int, seq_len: int, gen) -> list:
