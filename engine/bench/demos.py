@@ -19,6 +19,7 @@ Training itself is `flotilla models train-demos`.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -37,16 +38,25 @@ def add_arguments(parser) -> None:
                         help="held-out pieces of ~400 bytes (default 96; --quick 12)")
 
 
+@functools.lru_cache(maxsize=None)
+def _loaded(demo_id: str, weights: str = "trained"):
+    """(model, tokenizer) of a demo build, loaded once per process (held-out, draft and samples share them)."""
+    from engine.models.demo import ensure_demo
+    from engine.models.demo_eval import load_folder
+
+    return load_folder(ensure_demo(demo_id, weights=weights))
+
+
 def _heldout(ids: list[str], chunks: list[str], report: Callable[[str], None]) -> dict[str, Any]:
-    from engine.models.demo import ensure_demo, trained_recipe
-    from engine.models.demo_eval import evaluate, load_folder, router_stats
+    from engine.models.demo import trained_recipe
+    from engine.models.demo_eval import evaluate, router_stats
 
     rows: dict[str, Any] = {}
     for demo_id in ids:
         report(f"held-out text: {demo_id}, trained and random")
         row: dict[str, Any] = {}
         for label, weights in (("trained", "trained"), ("random", "random")):
-            model, tok = load_folder(ensure_demo(demo_id, weights=weights))
+            model, tok = _loaded(demo_id, weights)
             row[label] = evaluate(model, tok, chunks)
             routing = router_stats(model, tok, chunks[:32])
             if routing is not None:
@@ -87,11 +97,10 @@ def _draft_agreement(chunks: list[str]) -> dict[str, Any]:
     """Teacher-forced: how often the draft's argmax equals demo's on held-out text."""
     import torch
 
-    from engine.models.demo import ensure_demo
-    from engine.models.demo_eval import load_folder, one_thread
+    from engine.models.demo_eval import one_thread
 
-    target, tok = load_folder(ensure_demo("demo"))
-    draft, _ = load_folder(ensure_demo("demo-draft"))
+    target, tok = _loaded("demo")
+    draft, _ = _loaded("demo-draft")
     sep = tok.convert_tokens_to_ids("<|endoftext|>")
     same = total = 0
     with torch.no_grad(), one_thread():
@@ -108,11 +117,10 @@ def _samples(report: Callable[[str], None]) -> dict[str, Any]:
     """Greedy answers as a user sees them (transformers, f32)."""
     import torch
 
-    from engine.models.demo import ensure_demo
-    from engine.models.demo_eval import load_folder, one_thread
+    from engine.models.demo_eval import one_thread
 
     report("greedy samples: a raw continuation and first chats")
-    model, tok = load_folder(ensure_demo("demo"))
+    model, tok = _loaded("demo")
     eos = tok.eos_token_id
     with torch.no_grad(), one_thread():
         ids = tok(RAW_PROMPT, return_tensors="pt")["input_ids"]

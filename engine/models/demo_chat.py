@@ -23,11 +23,12 @@ pairs on every run).
 from __future__ import annotations
 
 import ast
-import hashlib
 import inspect
 import re
 import textwrap
 from dataclasses import dataclass
+
+from engine.models.demo_corpus import name_bucket
 
 MAX_ANSWER_CHARS = 600  # longer answers are cut at a line or sentence end before this
 MAX_SOURCE_CHARS = 700  # functions longer than this are not offered as "write" answers
@@ -47,7 +48,7 @@ class ChatPair:
 
 
 def _pick(name: str, options: tuple[str, ...]) -> str:
-    return options[int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % len(options)]
+    return options[name_bucket(name, len(options))]
 
 
 def _first_paragraph(text: str) -> str:

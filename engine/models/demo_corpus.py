@@ -75,7 +75,7 @@ class Corpus:
 
     def texts(self, held_out: bool) -> list[str]:
         """The split's texts, in file order (undecodable bytes replaced, deterministically)."""
-        return [f.data.decode("utf-8", errors="replace") for f in self.split(held_out)]
+        return [text for _name, text in self.named_texts(held_out)]
 
     def named_texts(self, held_out: bool) -> list[tuple[str, str]]:
         """(name, text) of the split's files, in file order."""
@@ -90,8 +90,13 @@ class Corpus:
                 "heldout_bytes": sum(f.size for f in self.split(True))}
 
 
+def name_bucket(name: str, buckets: int) -> int:
+    """A stable bucket of a name (sha256, any Python): the held-out split, the chat phrasings."""
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % buckets
+
+
 def is_held_out(name: str) -> bool:
-    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % HELDOUT_MODULUS == 0
+    return name_bucket(name, HELDOUT_MODULUS) == 0
 
 
 def stdlib_dir() -> Path:

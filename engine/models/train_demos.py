@@ -249,10 +249,6 @@ def save_trained(model, tok, out: Path, recipe: dict[str, Any]) -> None:
     model.generation_config.do_sample = False
     model.generation_config.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    # a tokenizer loaded from a folder (a partial run reuses one) saves "is_local": the same
-    # tokenizer must write the same bytes whichever run trained it
-    cfg_file = tmp / "tokenizer_config.json"
-    cfg_file.write_text(cfg_file.read_text().replace('  "is_local": true,\n', ""))
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
@@ -334,6 +330,9 @@ def train_demos(only: list[str] | None = None, steps: int | None = None, out_roo
 
         report(f"reusing the tokenizer of {shared}", 0.0)
         tok = AutoTokenizer.from_pretrained(shared)
+        # loading adds "is_local" to what it saves: the same tokenizer must write the same
+        # bytes whichever run trained it
+        tok.init_kwargs.pop("is_local", None)
     else:
         report(f"training the tokenizer on {sum(len(t) for t in train_texts) / 1e6:.1f} M characters", 0.0)
         tok = train_tokenizer(train_texts)

@@ -50,12 +50,12 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{shards-quick:fused_sdpa_all_shards}", Q.format("shards") + " (93 M Llama, f32 shards)"),
     Row("pipeline, 2 stages × 2 streams, aggregate tok/s",
         "{pipeline-quick:aggregate_tok_s.pipeline_2stages.2|f1} vs monolithic 1 stream "
-        "{pipeline-quick:aggregate_tok_s.monolithic.1|f1} → {pipeline-quick:speedup_2streams|x} (goal 1.85×); "
+        "{pipeline-quick:aggregate_tok_s.monolithic.1|f1} → {pipeline-quick:speedup_2streams|x}; "
         "vs two whole-model replicas (data parallel, 2 streams) "
         "{pipeline-quick:aggregate_tok_s.data_parallel.2|f1} → {pipeline-quick:pipeline_over_data_parallel|x}",
         Q.format("pipeline") + " (93 M Llama, loopback, 1 core per stage)"),
     Row("CurveZMQ on the data plane: 1 − tok/s(CURVE) / tok/s(plaintext), paired runs, 2 streams",
-        "{pipeline-quick:curve_overhead|pct} (goal < 3 %; negative means the CURVE ring was the faster one); "
+        "{pipeline-quick:curve_overhead|pct} (negative: the CURVE ring was the faster one); "
         "one decode hop's round trip {pipeline-quick:curve_hop_us.added_per_round_trip|f0} µs longer with CURVE "
         "(2000 round trips)", Q.format("pipeline")),
     Row("speculative decoding: mask rollback vs physical trim",
@@ -81,10 +81,10 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
     Row("chaos: 3 stages, 16 streams, a stage killed every few s",
         "{chaos-quick:completed|int} of {chaos-quick:submitted|int} completed, "
         "{chaos-quick:duplicated_tokens|int} duplicated, {chaos-quick:lost_tokens|int} lost tokens; "
-        "max recovery {chaos-quick:max_recovery_s|f1} s (goal {chaos-quick:recovery_goal_s|f0} s)",
+        "max recovery {chaos-quick:max_recovery_s|f1} s",
         Q.format("chaos")),
-    Row("bigger than its processes: Llama-3.1-8B shapes, 2 stages at int4 (a plan for two 8 GB PCs), every "
-        "process in a cgroup capped below what it holds",
+    Row("bigger than its processes: Llama-3.1-8B shapes, 2 stages at int4, every process in a cgroup capped "
+        "below what it holds",
         "bf16 checkpoint {scale:checkpoint.bytes|mib}; exporter peak anonymous {scale:precisions.int4.export.stages.0.rss_anon_peak_bytes|mib} / "
         "{scale:precisions.int4.export.stages.1.rss_anon_peak_bytes|mib} under "
         "{scale:precisions.int4.export.cap_bytes|mib}; workers "
