@@ -34,14 +34,15 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{prompt-cache-pipeline:turn1_ttft_s|f1} s → {prompt-cache-pipeline:turn2_ttft_s|f1} s "
         "({prompt-cache-pipeline:turn2_over_turn1|x}); same answer as without the cache: "
         "{prompt-cache-pipeline:goal.identical}", "`flotilla bench prompt-cache --engine pipeline`"),
-    Row("local engine vs `openvino_genai.LLMPipeline`, same IR (0.9 B random Llama), 6 interleaved rounds "
+    Row("local engine vs `openvino_genai.LLMPipeline`, same IR (0.9 B random Llama), interleaved rounds "
         "in one process; ours / genai",
         "decode {local:side_by_side.ours_vs_genai.decode_tok_s|x} "
         "({local:side_by_side.interleaved.ours_over_genai.decode_tok_s.min|f2}–"
         "{local:side_by_side.interleaved.ours_over_genai.decode_tok_s.max|f2} per round), warm first token "
         "{local:side_by_side.ours_vs_genai.ttft_warm|x}, CPU per token "
         "{local:side_by_side.ours_vs_genai.cpu_ms_per_token|x}, peak anonymous memory "
-        "{local:side_by_side.ours_vs_genai.peak_anon|x} (fresh processes)", "`flotilla bench local`"),
+        "{local:side_by_side.ours_vs_genai.peak_anon|x} (fresh processes); "
+        "{local:side_by_side.interleaved.rounds|int} rounds per run", "`flotilla bench local`"),
     Row("`flotilla chat -p` launch → first streamed byte",
         "cold (export + compile) {local-quick:launch_first_byte_s.cold|f1} s, "
         "warm {local-quick:launch_first_byte_s.warm|f1} s", Q.format("local")),
