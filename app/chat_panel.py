@@ -418,7 +418,7 @@ class ChatPanel(QWidget):
         if reason == "error":
             answer.state = ERROR
             answer.note = event.error or "the engine failed"
-            self._engine_failed(answer.note)
+            self._engine_failed(answer.note, event.error_code == "peer_lost")
             return
         answer.state = CANCELLED if reason == "cancelled" else DONE
         parts = [f"{stats['tokens']} tokens"] if "tokens" in stats else []
@@ -433,9 +433,9 @@ class ChatPanel(QWidget):
             parts.insert(0, "cut at the token limit")
         answer.note = " · ".join(parts)
 
-    def _engine_failed(self, reason: str) -> None:
-        """A peer vanished or the engine broke: say so plainly; keep everything."""
-        peer = "stage" in reason or "pipeline" in reason or "peer" in reason
+    def _engine_failed(self, reason: str, peer: bool) -> None:
+        """A peer vanished (peer: the error's code says so, never its words) or the engine
+        broke: say so plainly; keep everything."""
         head = "A peer stopped answering." if peer else "The engine could not answer."
         self.banner_label.setText(
             f"<b>{head}</b> {html.escape(reason)}<br>Your conversation is saved. "
@@ -454,7 +454,7 @@ class ChatPanel(QWidget):
             return
         answer.state = ERROR
         answer.note = str(exc) or type(exc).__name__
-        self._engine_failed(answer.note)
+        self._engine_failed(answer.note, getattr(exc, "code", None) == "peer_lost")
 
     def _on_stream_finished(self, answer: Turn) -> None:
         self.session.answer_ended()

@@ -430,8 +430,9 @@ def fleet_peers(cards: Sequence["PeerCard"]) -> list[Any]:
 WEIGHT_CHOICES = ("auto", "f32", "bf16", "fp16", "int8", "int4")
 
 
-def plan_request(context_length: int | None = 4096, streams: int = 1, weight_precision: str = "auto") -> Any:
-    """What to plan for. weight_precision: one of WEIGHT_CHOICES ("auto" = the most precise
+def plan_request(context_length: int | None = None, streams: int = 1, weight_precision: str = "auto") -> Any:
+    """What to plan for. context_length None: the planner's default (engine.models.profile.
+    DEFAULT_CONTEXT, at most the model's). weight_precision: one of WEIGHT_CHOICES ("auto" = the most precise
     at which the plan fits, from the model's own dtype, PlanModel.checkpoint_precision,
     down). Every planning function below returns a Plan at one concrete precision
     (plan_precision(plan)). PlanError (code bad_weights) for an unknown precision."""
@@ -859,8 +860,6 @@ def launch_fleet(spec: str, plan: Any, cards: Sequence[PeerCard],
     CURVE PipelineEngine wired. Blocking; per-stage LaunchStep like
     launch_pipeline. Setting `cancel` stops at the next step (everything
     started is unloaded) with LaunchCancelled."""
-    import re
-
     from engine.fleet import launch as fl
 
     by_id = {c.peer_id: c for c in cards}
@@ -873,24 +872,23 @@ def launch_fleet(spec: str, plan: Any, cards: Sequence[PeerCard],
     n = len(plan.stages)
     for i in range(n):
         report(LaunchStep(i, "waiting", 0.0, "waiting"))
-    number = re.compile(r"\b(?:shard|stage) (\d+)\b")
 
-    def progress(message: str, fraction: float) -> None:
+    def progress(_message: str, _fraction: float) -> None:  # the words are for logs: only cancel here
         if cancel.is_set():
             raise LaunchCancelled("launch cancelled")
-        m = number.search(message)
-        if m is None or not 0 <= int(m.group(1)) < n:
+
+    def on_stage(p: "fl.StageProgress") -> None:
+        if not 0 <= p.stage < n:
             return
-        i = int(m.group(1))
-        if message.startswith(("exporting", "packing", "sending")) or "already has it" in message:
-            done = 1.0 if "already has it" in message else (fraction if message.startswith("sending") else 0.0)
-            report(LaunchStep(i, "transfer", 0.4 * done, message))
-        elif message.startswith("starting"):
-            report(LaunchStep(i, "compile", 0.5, message))
+        if p.phase == "start":
+            report(LaunchStep(p.stage, "compile", 0.5, p.message))
+        else:  # export/pack the shard, then send it (or the peer has it): the first 40 % of a stage's bar
+            done = {"send": p.fraction, "have": 1.0}.get(p.phase, 0.0)
+            report(LaunchStep(p.stage, "transfer", 0.4 * done, p.message))
 
     cfg = fl.LaunchConfig(model=spec, stages=n, weights=plan.weight_precision, context_length=plan.context_length,
                           max_concurrent=plan.streams)
-    session = fl.FleetSession(_controller_keys(), peers, cfg, progress, plan=plan)
+    session = fl.FleetSession(_controller_keys(), peers, cfg, progress, plan=plan, on_stage=on_stage)
     try:
         engine = session.launch()
     except LaunchCancelled:
@@ -1009,7 +1007,7 @@ class AgentHandle:
         import subprocess
         import sys
 
-        args = [a for a in argv if a not in ("--headless", "-v", "--verbose", "--stdin-lifeline")]
+        args = [a for a in argv if a not in ("--headless", "-v", "--verbose", "--stdin-lifeline", "--announce")]
         env = dict(os.environ)
         if config is not None:  # another agent's config dir (demos, screenshots)
             env["FLOTILLA_CONFIG"] = str(config)
@@ -1020,33 +1018,46 @@ class AgentHandle:
 
         # hidden: no console window on Windows; its own group, so a Ctrl-C meant for the tray's
         # terminal does not skip the agent's cleanup (the lifeline stops it in order instead).
+        # --announce: once serving, the agent writes its ports as one AgentUp line on stdout
         proc = process.spawn([sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v",
-                              "--stdin-lifeline", *args], hidden=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              "--stdin-lifeline", "--announce", *args], hidden=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env)
         lines: collections.deque[str] = collections.deque(maxlen=200)
         up = threading.Event()
-        ports: list[int] = []
+        announced: list[Any] = []  # the AgentUp, once read
 
-        def pump() -> None:
-            import re
-
+        def log_pump() -> None:  # its log, for the error below and the tray's view; read to the end
             for line in proc.stderr:
                 lines.append(line.rstrip())
-                m = re.search(r" up: control (\d+), pairing (\d+), info (\d+)", line)
-                if m and not up.is_set():
-                    ports.extend(int(g) for g in m.groups())
+            up.set()  # the agent ended: stop waiting
+
+        def announce_pump() -> None:  # its stdout, read to the end so it never fills
+            from engine.protocol.control import AgentUp
+            from engine.protocol.errors import ProtocolError
+
+            for line in proc.stdout:
+                if announced:
+                    continue
+                try:
+                    msg = AgentUp.from_line(line)
+                except ProtocolError as e:
+                    lines.append(f"unreadable agent_up line: {e}")
+                    msg = None
+                if msg is not None:
+                    announced.append(msg)
                     up.set()
             up.set()
 
-        threading.Thread(target=pump, name="flotilla-agent-log", daemon=True).start()
-        if not up.wait(timeout) or not ports:
+        threading.Thread(target=log_pump, name="flotilla-agent-log", daemon=True).start()
+        threading.Thread(target=announce_pump, name="flotilla-agent-announce", daemon=True).start()
+        if not up.wait(timeout) or not announced:
             from engine.platform.process import kill_tree
 
             kill_tree(proc)  # and whatever it started
             proc.wait(5)
             raise EngineError("the agent did not start: " + (" | ".join(list(lines)[-5:]) or "no output"))
-        handle = cls(config, info_port=ports[2], pid=proc.pid)
+        handle = cls(config, info_port=announced[0].info_port, pid=proc.pid)
         handle.proc, handle.lines = proc, lines
         return handle
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from engine.bench._cgroup import MemoryGroup, PeakSampler
+from engine.bench._cgroup import MemoryGroup, PeakSampler, read_status
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time, in a small town by the sea, there lived"
@@ -53,7 +53,9 @@ FILL_MARGIN = 16  # tokens left free of the context (a tokenizer's BOS, rounding
 class CapRule:
     """How each agent's memory group is capped: base + fraction x the whole model, and never below
     what the plan says the stage's process needs (weights + KV + runtime reserve; the plan's OS
-    reserve is RAM left to the peer's OS, not to the worker)."""
+    reserve is RAM left to the peer's OS, not to the worker) plus what the agent, which shares the
+    group, holds itself when the cap is set (~90 MB RSS; without it an int4 stage whose cap was its
+    plan exactly was OOM-killed on a bf16 CPU, its worker's own peak 6 % under the plan)."""
 
     fraction: float  # of the whole model at the run's precision (e.g. 0.75)
     whole_model_bytes: int  # the sum of the stages' shard files
@@ -69,6 +71,15 @@ class CapRule:
     def below_model(self, cap: int) -> bool:
         """The part of the cap left for the model is smaller than the whole model."""
         return cap - self.base_bytes < self.whole_model_bytes
+
+
+def _resident_bytes(group: MemoryGroup) -> int:
+    """VmRSS of the processes in a group now (an agent before its worker starts)."""
+    total = 0
+    for pid in group.pids():
+        st = read_status(pid)
+        total += st.get("VmRSS", 0) if st else 0
+    return total
 
 
 def planned_process_bytes(stage: Any) -> int:
@@ -217,6 +228,7 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
     engine = None
     session = None
     caps_set: dict[str, Any] = {}  # node_id -> the cap its group got from the plan
+    agent_at_cap: dict[str, int] = {}  # node_id -> its agent's resident bytes when the cap was set
     group_of: dict[str, MemoryGroup] = {}  # node_id -> its agent's group
     out: dict[str, Any] = {"precision": precision, "error": None}
     try:
@@ -235,18 +247,24 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
             raise RuntimeError(f"pairing did not complete: {states}")
         group_of.update({p.node_id: groups[agent_keys.index(p.info.public_key)] for p in peers})
 
-        def progress(message: str, _fraction: float) -> None:
+        def progress(_message: str, _fraction: float) -> None:
             if session is not None and session.plan is not None and not caps_set:
                 for st, planned in zip(session.stages, session.plan.stages):
-                    cap = caps.cap(planned_process_bytes(planned))
+                    # The agent shares its worker's group: the floor is the worker's planned memory
+                    # plus what the agent itself holds now (no worker yet), not the plan alone.
+                    agent_bytes = _resident_bytes(group_of[st.peer.node_id])
+                    cap = caps.cap(planned_process_bytes(planned) + agent_bytes)
                     group_of[st.peer.node_id].set_limit(cap)
                     caps_set[st.peer.node_id] = cap
+                    agent_at_cap[st.peer.node_id] = agent_bytes
                 say(f"  caps set from the plan: " + ", ".join(
                     f"stage {st.index} {caps_set[st.peer.node_id] / 1e9:.2f} GB" for st in session.stages))
-            if message.startswith("exporting"):
-                raise LauncherWouldExport(f"the launcher found no cached shard ({message}): it would export "
-                                          "in the controller, outside any cap")
-            if free_disk_as_sent and message.startswith("starting stage"):
+
+        def on_stage(step: Any) -> None:  # engine.fleet.launch.StageProgress: fields, not words
+            if step.phase == "export":
+                raise LauncherWouldExport(f"the launcher found no cached shard ({step.message}): it would "
+                                          "export in the controller, outside any cap")
+            if free_disk_as_sent and step.phase == "start":
                 # Every agent has its shard: the controller's copies are not needed any more
                 # (the bundles were read on the fly from these folders while they were sent).
                 for st in session.stages:
@@ -258,7 +276,7 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
                            context_length=context_length, max_concurrent=max(streams),
                            device_preference=("CPU",), controller_host="127.0.0.1", recover=False,
                            local_fallback=False, load_timeout_s=600.0, ready_timeout_s=900.0)
-        session = FleetSession(keys, peers, cfg, progress)
+        session = FleetSession(keys, peers, cfg, progress, on_stage=on_stage)
         t0 = time.monotonic()
         say(f"  launching 2 stages at {precision} on 2 capped agents")
         engine = session.launch()
@@ -310,7 +328,8 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
         if log_dir is not None:  # the agents' and workers' logs outlive the temp folder
             _keep_logs(root, Path(log_dir) / f"fleet-{precision}")
         shutil.rmtree(root, ignore_errors=True)
-        out["workers"] = [_worker_record(w, plan, stats, samplers, agents, caps, caps_set) for w in workers]
+        out["workers"] = [{**_worker_record(w, plan, stats, samplers, agents, caps, caps_set),
+                           "agent_bytes_at_cap": agent_at_cap.get(w["node_id"])} for w in workers]
         out["groups"] = [s.to_dict() for s in stats]
     return out
 

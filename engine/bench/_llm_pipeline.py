@@ -30,7 +30,7 @@ from engine.serve.batched_worker import generation_config as genai_config
 from engine.serve.fields import engine_refusal
 from engine.serve.inbox import InboxEngine, refuse_waiting
 from engine.serve.interface import EngineError, EngineInfo
-from engine.serve.local import context_from_config
+from engine.models.profile import engine_context
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,7 @@ class LLMPipelineEngine(InboxEngine):
             self.pipe = ov_genai.LLMPipeline(str(genai_folder(ir)), device, **compile_config(device, precision))
         except Exception as e:
             raise EngineError(f"cannot open {model_id} on openvino_genai's LLMPipeline: {e}") from e
-        trained = context_from_config(ir)
-        self.context_length = trained
+        self.context_length = engine_context(ir)
         self.eos_ids = eos_token_ids(ir, self.tokenizer)
         # One streamer for the engine's life, dropped after the pipeline: the pipeline may keep
         # the last streamer it was given, and a Python streamer freed before it is a dangling

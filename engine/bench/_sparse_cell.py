@@ -22,7 +22,8 @@ def main(argv: list[str]) -> int:
     from engine.bench.sparse import decode_run
     from engine.sparse.baseline import drop_page_cache
     from engine.sparse.cache import BudgetError
-    from engine.sparse.engine import DEFAULT_CONTEXT, SparseBackend, SparseConfig
+    from engine.models.profile import DEFAULT_CONTEXT
+    from engine.sparse.engine import SparseBackend, SparseConfig
     from engine.sparse.store import StoreConfig
     from engine.sparse.weights import safetensors_files
 

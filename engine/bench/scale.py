@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"exporter cap as a fraction of the bf16 checkpoint (default {DEFAULT_EXPORT_CAP})")
     p.add_argument("--worker-cap", type=float, default=DEFAULT_WORKER_CAP,
                    help="agent+worker cap as a fraction of the whole model at that precision "
-                        f"(default {DEFAULT_WORKER_CAP}; never below the plan's stage memory)")
+                        f"(default {DEFAULT_WORKER_CAP}; never below the plan's stage memory + the agent's own)")
     p.add_argument("--shape", default=None,
                    help="other shapes, e.g. hidden=1024,intermediate=2816,layers=8,heads=16,kv_heads=4,"
                         "vocab=32000,tied=0,file_mb=100 (experiments and tests)")
@@ -137,7 +137,7 @@ class Caps:
 
     export_fraction: float  # exporter: x the bf16 checkpoint
     worker_fraction: float  # agent + worker and teacher-forced stage: x the whole model at the precision
-    worker_at_least_plan: bool = True  # an agent's cap is never below the plan's memory for its stage
+    worker_at_least_plan: bool = True  # an agent's cap is never below its stage's planned memory + the agent's own
     export_base_bytes: int = 0  # + what an exporter process holds with no model (tests of small models)
     forward_base_bytes: int = 0  # + what a teacher-forced stage process holds with no model
     worker_base_bytes: int = 0  # + what an agent and its worker hold with no model

@@ -14,6 +14,7 @@ import argparse
 import os
 import shlex
 import sys
+from typing import Any
 
 from engine.cli.errors import UserError
 
@@ -47,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # Started by the tray or `flotilla demo` with stdin a pipe: stop cleanly when it ends (they close
     # it to stop us, and it also ends when they die). The same on every OS (engine/fleet/agent.py).
     p.add_argument("--stdin-lifeline", action="store_true", help=argparse.SUPPRESS)
+    # Started by the app's tray: once serving, write one AgentUp JSON line (its ports) on stdout, and
+    # point fd 1 at stderr for everything else, so no library's print can be taken for it.
+    p.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_agent)
     asub = p.add_subparsers(dest="agent_command", metavar="SUBCOMMAND")
 
@@ -75,6 +79,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     pe.add_argument("--watch", type=float, default=3.0, metavar="S", help="listen this long (default 3)")
     pe.add_argument("--interface", dest="peer_interface", action="append", default=[], metavar="IF")
     pe.set_defaults(func=cmd_peers)
+
+
+def _announce_stream() -> Any:
+    """A private copy of stdout for the AgentUp line; fd 1 itself then goes to stderr."""
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    return out
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -110,6 +121,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
             return int(tray(_agent_argv(args)) or 0)
         print("flotilla agent: no tray icon (the desktop app is not installed); running headless",
               file=sys.stderr)
+    if args.announce:
+        cfg.announce = _announce_stream()
     log_path = setup_logging(cfg.data, args.verbose)
     print(f"flotilla agent: config {cfg.config}, log {log_path}", file=sys.stderr, flush=True)
     try:

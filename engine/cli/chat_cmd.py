@@ -70,8 +70,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="moe/sparse engines: RAM for cached experts/neurons, e.g. 2GB or 512MB "
                         "(default: what is left once the resident weights and the KV reserve are in)")
     p.add_argument("--context", type=int, default=None, metavar="TOKENS",
-                   help="moe/sparse engines: prompt + answer tokens per request; KV for this many is reserved "
-                        "per request up front (default: the model's, at most 4096)")
+                   help="prompt + answer tokens per request (default: the model's, at most 4096); the moe "
+                        "and sparse engines reserve KV for this many per request up front")
     p.add_argument("--max-concurrent", type=int, default=None, metavar="N",
                    help="moe engine: requests computed at once, each with its KV reserve (default 4)")
 
@@ -114,13 +114,12 @@ def open_engine_from_args(args: argparse.Namespace):
                 if value < 1:
                     raise UserError(f"--{name.replace('_', '-')} must be at least 1")
                 extra["context_length" if name == "context" else name] = value
-    elif args.engine == "sparse" and getattr(args, "max_concurrent", None) is None:
-        if getattr(args, "context", None) is not None:
-            if args.context < 1:
-                raise UserError("--context must be at least 1")
-            extra["context_length"] = args.context
-    elif getattr(args, "context", None) is not None or getattr(args, "max_concurrent", None) is not None:
-        raise UserError("--context applies to the moe and sparse engines, --max-concurrent to the moe engine")
+    elif getattr(args, "max_concurrent", None) is not None:
+        raise UserError("--max-concurrent applies to the moe engine")
+    elif getattr(args, "context", None) is not None:
+        if args.context < 1:
+            raise UserError("--context must be at least 1")
+        extra["context_length"] = args.context
     if weights != "auto" and (args.engine != "local" or args.backend != "openvino"):
         raise UserError("--weights applies to the local engine's OpenVINO backend and the moe engine "
                         "(pipeline shards: `flotilla pipeline --weights`)")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -54,7 +53,6 @@ TOKENS = 8  # per answer: enough to go through every stage a few times
 MOE_BUDGET = 2_000_000  # bytes of experts in RAM: smaller than demo-moe's experts, so some are read
 SPARSE_BUDGET = 4_000_000  # bytes of neurons in RAM
 REPO_ROOT = Path(__file__).resolve().parents[2]
-UP = re.compile(r"agent (\w+) up: control (\d+), pairing (\d+), info (\d+)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -114,19 +112,26 @@ class _Agent:
 
         argv = [sys.executable, "-m", "engine.cli.agent_cmd", "--headless", "-v", "--bind", "127.0.0.1",
                 "--port", "0", "--interface", "127.0.0.1", "--idle-source", "none", "--mdns-ttl", "10",
-                "--stdin-lifeline"]
+                "--stdin-lifeline", "--announce"]  # --announce: its ports as one AgentUp line, in the log too
         with open(self.log, "ab") as out:
             self.proc = process.spawn(argv, die_with_us=True, stdin=subprocess.PIPE, stdout=out,
                                       stderr=subprocess.STDOUT, env=self.env(base_env), cwd=str(REPO_ROOT))
 
     def wait_up(self, deadline: float) -> None:
+        from engine.protocol.control import AgentUp
+        from engine.protocol.errors import ProtocolError
+
         assert self.proc is not None
         while True:
-            m = UP.search(self.log.read_text(encoding="utf-8", errors="replace"))
-            if m:
-                self.node_id = m.group(1)
-                self.ports = (int(m.group(2)), int(m.group(3)), int(m.group(4)))
-                return
+            for line in self.log.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    up = AgentUp.from_line(line)
+                except ProtocolError as e:
+                    raise StepFailed(f"agent {self.index} announced itself wrongly: {e}") from None
+                if up is not None:
+                    self.node_id = up.node_id
+                    self.ports = (up.control_port, up.pair_port, up.info_port)
+                    return
             if self.proc.poll() is not None:
                 raise StepFailed(f"agent {self.index} exited with code {self.proc.returncode}: {self.tail()}")
             if time.monotonic() > deadline:

@@ -49,7 +49,7 @@ from engine.fleet.shards import NoRoom, ShardStore
 from engine.fleet.workers import (STOP_GRACE_S, LaunchOptions, Worker, WorkerSupervisor,
                                   pipeline_worker_command)
 from engine.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
-from engine.protocol.control import (AgentEvent, AgentInfo, ChunkReply, ChunkRequest, InfoReply,
+from engine.protocol.control import (AgentEvent, AgentInfo, AgentUp, ChunkReply, ChunkRequest, InfoReply,
                                      InfoRequest, LoadReply, LoadRequest, PairReply, PairRequest,
                                      PrepareReply, PrepareRequest, StatusReply, StatusRequest,
                                      StopReply, StopRequest, UnloadReply, UnloadRequest)
@@ -81,6 +81,7 @@ class AgentConfig:
     poll_s: float = POLL_S  # machine poll interval
     demo_auto_pair: bool = False  # `flotilla demo` only: accept its controller key unasked (demo_mode.py)
     stdin_lifeline: bool = False  # stop cleanly when stdin ends (started by the tray or the demo: a pipe)
+    announce: Any = None  # a binary stream: once serving, the AgentUp line goes there (`--announce`)
 
 
 def setup_logging(data: Path, verbose: bool = False) -> Path:
@@ -154,6 +155,10 @@ class Agent:
         self._tasks.append(loop.create_task(self._housekeeping()))
         log.info("agent %s up: control %d, pairing %d, info %d, key %s", self.identity.node_id,
                  *self.ports, self.keys.fingerprint)
+        if self.cfg.announce is not None:  # the starter's word that we serve, as fields (control.AgentUp)
+            up = AgentUp(self.identity.node_id, *self.ports)
+            self.cfg.announce.write(up.line().encode() + b"\n")
+            self.cfg.announce.flush()
 
     def _socket(self, domain: str | None, port: int) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.ROUTER)

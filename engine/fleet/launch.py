@@ -95,6 +95,18 @@ from engine.protocol.control import AgentEvent, StatusReply
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, float], None]
+STAGE_PHASES = ("export", "pack", "send", "have", "start")  # StageProgress.phase, in launch order
+
+
+@dataclass(frozen=True)
+class StageProgress:
+    """One stage's launch step, for programs (the app's per-stage bars): what the progress
+    line says in words, said as fields, so no caller parses the words."""
+
+    stage: int  # ring position
+    phase: str  # one of STAGE_PHASES: export (or pack a cached export), send, have (the peer has it), start
+    fraction: float  # of this phase, 0..1
+    message: str  # the same one line the Progress callback got
 LOCAL_STOP_GRACE_S = 2.0  # a local worker's graceful stop -> kill
 
 
@@ -258,12 +270,14 @@ class FleetSession:
     """One pipeline's agents: control clients, shards, workers and their events."""
 
     def __init__(self, keys: KeyPair, peers: Sequence[Peer], cfg: LaunchConfig = LaunchConfig(),
-                 progress: Progress | None = None, plan: Plan | None = None) -> None:
+                 progress: Progress | None = None, plan: Plan | None = None,
+                 on_stage: Callable[[StageProgress], None] | None = None) -> None:
         if not peers:
             raise FleetError("no agents to launch on: start `flotilla agent` on the PCs (and pair them)")
         self.keys, self.cfg = keys, cfg
         self.peers = {p.node_id: p for p in peers}
         self.progress = progress or (lambda _m, _f: None)
+        self.on_stage = on_stage or (lambda _p: None)
         self.user_plan = plan  # the user's plan: launched as is (checked, never re-planned); None = we plan
         self.plan: Plan | None = None  # the plan being launched (the user's very object when given)
         self.plan_lines: list[str] = []  # the plan as reported before export (when the launcher planned)
@@ -295,21 +309,18 @@ class FleetSession:
     def launch(self) -> Any:
         """Plan, send, load and wire; returns the PipelineEngine (engine.fleet = self)."""
         from engine.models import profile_model, resolve_model
-        from engine.models.profile import default_context
-        from engine.serve.local import context_from_config
+        from engine.models.profile import engine_context, trained_context
 
         t0 = time.monotonic()
         resolved = resolve_model(self.cfg.model, self.progress)
         model_path = Path(resolved.path)
         self.model_id = resolved.model_id
         plan_weights.refuse_unsupported(model_path)  # before any plan or export
-        trained = context_from_config(model_path)
-        self._trained = trained
+        self._trained = trained_context(model_path)
         if self.user_plan is not None:  # the plan's context and streams, as the user saw them
             self.context_length, self.streams = self.user_plan.context_length, self.user_plan.streams
         else:  # None: what a chat user picks (DEFAULT_CONTEXT, at most the model's), not its maximum
-            self.context_length = (min(self.cfg.context_length, trained) if self.cfg.context_length
-                                   else default_context(trained))
+            self.context_length = engine_context(model_path, self.cfg.context_length)
             self.streams = self.cfg.max_concurrent
         model = PlanModel.from_profile(profile_model(resolved))
         # The tokenizer (and transformers' import, seconds) loads while shards travel.
@@ -460,11 +471,19 @@ class FleetSession:
         for st in self.stages:  # ranges and precision from the plan, one range at a time
             key = shard_cache_key(fp, st.start, st.end, self.precision, ov.get_version())
             cached = (shard_cache_root() / key / MANIFEST).exists()
-            self.progress(f"{'packing' if cached else 'exporting'} shard {st.index} (layers {st.start}–{st.end}, "
-                          f"{self.precision})", st.index / len(self.stages))
+            self._stage_step(st, "pack" if cached else "export", 0.0,
+                             f"{'packing' if cached else 'exporting'} shard {st.index} (layers {st.start}–{st.end}, "
+                             f"{self.precision})", st.index / len(self.stages))
             info = ensure_shard(model_path, st.start, st.end, num_layers_total=total, precision=self.precision)
             st.bundle, st.sha256 = cached_bundle(Path(info.path), cache_root() / "bundles")
             st.shard_path = Path(info.path)
+
+    def _stage_step(self, st: _Stage, phase: str, fraction: float, message: str,
+                    overall: float | None = None) -> None:
+        """Report one stage's step: the line to the Progress callback (with `overall`, or the
+        phase's fraction), its fields to on_stage."""
+        self.progress(message, fraction if overall is None else overall)
+        self.on_stage(StageProgress(st.index, phase, fraction, message))
 
     async def _send_all(self) -> None:
         # Each agent first says whether its disk can take its shard (PrepareRequest),
@@ -488,8 +507,8 @@ class FleetSession:
         name = st.peer.info.hostname
 
         def shown(have: int, total: int) -> None:
-            self.progress(f"sending shard {st.index} to {name}: {have / 1e6:.1f}/{total / 1e6:.1f} MB",
-                          have / max(1, total))
+            self._stage_step(st, "send", have / max(1, total),
+                             f"sending shard {st.index} to {name}: {have / 1e6:.1f}/{total / 1e6:.1f} MB")
 
         try:
             last = await client.send_shard(st.bundle, self._shard_id(st), sha=st.sha256,
@@ -497,7 +516,7 @@ class FleetSession:
         except AgentRefused as e:  # the disk filled meanwhile (or a bad bundle): name the peer
             raise _refused(st, e, "prepare") from None
         if getattr(last, "cached", False):
-            self.progress(f"shard {st.index}: {name} already has it", 1.0)
+            self._stage_step(st, "have", 1.0, f"shard {st.index}: {name} already has it")
         else:
             st.sent_bytes = size
             if not getattr(last, "complete", False):
@@ -510,7 +529,7 @@ class FleetSession:
     async def _load_one(self, st: _Stage) -> None:
         # Every agent of the session may feed this worker (a recovery can put any of them next to it).
         ring = sorted({p.info.public_key for p in self.peers.values()})
-        self.progress(f"starting stage {st.index} on {st.peer.info.hostname} ({st.device})", 0.0)
+        self._stage_step(st, "start", 0.0, f"starting stage {st.index} on {st.peer.info.hostname} ({st.device})")
         others = tuple(k for k in ring if k != st.peer.info.public_key)
         self._all.append(st)  # unloaded at stop, even when the load fails half-way
         try:

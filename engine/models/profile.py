@@ -68,6 +68,29 @@ def default_context(max_context: int) -> int:
     return min(DEFAULT_CONTEXT, max_context) if max_context and max_context > 0 else DEFAULT_CONTEXT
 
 
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def trained_context(model_dir: Path | str) -> int:
+    """The model's trained context length from its config.json (DEFAULT_CONTEXT if it names none)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return DEFAULT_CONTEXT
+    cfg = _text_config(cfg) if isinstance(cfg, dict) else {}
+    v = _first(cfg, *_CONTEXT_KEYS)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else DEFAULT_CONTEXT
+
+
+def engine_context(model_dir: Path | str, asked: int | None = None) -> int:
+    """The context (prompt + answer tokens) every engine and the planner serve a model with:
+    what was asked, at most the model's trained maximum; when nothing was asked,
+    default_context (DEFAULT_CONTEXT, at most the maximum), never the model's 128k maximum.
+    The one copy of this rule."""
+    trained = trained_context(model_dir)
+    return min(asked, trained) if asked else default_context(trained)
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameters of some weight tensors, grouped by how weight compression treats them."""
@@ -221,8 +244,7 @@ def profile_model(resolved: ResolvedModel | str | Path) -> ModelProfile:
         dtype_bytes=_dtype_bytes(config), bytes_per_layer=tuple(per_layer),
         embedding_bytes=embed, head_bytes=head, total_bytes=total,
         tied_embeddings=tied, experts=experts,
-        max_context=int(_first(config, "max_position_embeddings", "n_positions",
-                               "max_sequence_length", "seq_length") or DEFAULT_CONTEXT),
+        max_context=int(_first(config, *_CONTEXT_KEYS) or DEFAULT_CONTEXT),
         dtype=counts["dtype"] or _dtype_label(config), layer_params=tuple(counts["layers"]),
         embedding_params=counts["embedding"], head_params=counts["head"],
         layer_tail_params=counts["tail"], **shape)

@@ -29,14 +29,15 @@ from engine.moe.fetcher import Fetcher
 from engine.moe.model import MoEModel
 from engine.moe.scheduler import ABLATIONS, SCHEDULERS, Seq, make_scheduler
 from engine.moe.store import ExpertStore, StoreConfig, StoreError
+from engine.models.profile import engine_context  # KV reserved per request: asked, or the one default
 from engine.platform.memory import memory_room
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
+from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, decode_one, finished
 from engine.serve.interface import EngineError, EngineInfo
 from engine.serve.inbox import InboxEngine, refuse_waiting
-from engine.serve.local import context_from_config
 from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,6 @@ class MoEConfig:
         return cls(**extra)
 
 
-DEFAULT_CONTEXT = 4096  # KV reserved per request when no context is asked (models train to 32k+)
 KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
 
 
@@ -106,8 +106,7 @@ class MoEEngine(InboxEngine):
             raise EngineError(f"kv_precision must be one of {', '.join(KV_DTYPES)}, not {config.kv_precision!r}")
         self.store = ExpertStore(store_dir, StoreConfig(direct=config.direct_io, verify=config.verify))
         try:
-            trained = context_from_config(Path(store_dir))
-            self.context_length = min(config.context_length or DEFAULT_CONTEXT, trained)
+            self.context_length = engine_context(store_dir, config.context_length)
             report("loading the resident weights", 0.3)
             self.model = MoEModel(store_dir, self.store.index, kv_slots=config.max_concurrent,
                                   kv_capacity=self.context_length, kv_dtype=KV_DTYPES[config.kv_precision])
@@ -197,7 +196,7 @@ class MoEEngine(InboxEngine):
                 time.sleep(0.01)
         self._take_inbox(waiting, block=False)
         for gen in list(self._gens.values()):
-            self._end(gen, finished(gen, "error", error="the engine was closed"))
+            self._end(gen, finished(gen, "error", error="the engine was closed", error_code="closed"))
         refuse_waiting(self._emit, waiting)
 
     def _drop_cancelled(self, waiting: collections.deque) -> None:
@@ -212,14 +211,15 @@ class MoEEngine(InboxEngine):
                                     self.context_length, self.config.prefill_chunk, t_submit)
         except Exception as e:
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
-                                  usage=Usage(0, 0)))
+                                  error_code=error_code_of(e), usage=Usage(0, 0)))
             return
         gen.t_start = time.perf_counter()
         try:  # a KV slot per request: admission never exceeds them, so this failing is a bug, reported
             self.scheduler.add(Seq(gen.request_id, self._on_logits, self._on_error, list(ids),
                                    chunk=self.config.prefill_chunk))
         except RuntimeError as e:
-            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e), usage=Usage(0, 0)))
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+                                  error_code=error_code_of(e), usage=Usage(0, 0)))
             return
         self._gens[gen.request_id] = gen
 

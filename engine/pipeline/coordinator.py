@@ -59,6 +59,7 @@ from engine.protocol.pipeline import (
 )
 from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
+from engine.runtime.errors import error_code_of
 from engine.pipeline.prompt_cache import Parked, ParkedStreams
 from engine.runtime.generation import Generation, accept, finished, pick
 from engine.serve.inbox import InboxEngine
@@ -163,7 +164,7 @@ class PipelineEngine(InboxEngine):
             raise ValueError("max_concurrent must be at least 1")
         self.parked = ParkedStreams(config.prompt_cache)  # finished streams kept for follow-ups
         self._parked_want: int | None = None  # a new capacity, applied by the coordinator thread
-        from engine.serve.local import context_from_config
+        from engine.models.profile import engine_context
 
         self.stages = list(stages)
         self.model_id = model_id
@@ -175,8 +176,7 @@ class PipelineEngine(InboxEngine):
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer = tokenizer
         self.eos_ids = eos_token_ids(Path(model_dir), tokenizer)
-        trained = context_from_config(Path(model_dir))
-        self.context_length = min(config.context_length, trained) if config.context_length else trained
+        self.context_length = engine_context(model_dir, config.context_length)
         self.vocab_size = _config_vocab(Path(model_dir)) or len(tokenizer)
         from engine.pipeline.speculative import RingSpeculation
         from engine.speculative.config import SpecConfig
@@ -308,7 +308,7 @@ class PipelineEngine(InboxEngine):
     # -- Engine hooks ------------------------------------------------------------
     def _start(self, request: GenerateRequest) -> None:
         if self._broken:
-            raise EngineError(self._broken)
+            raise EngineError(self._broken, "peer_lost")
         super()._start(request)
         self._wake()
 
@@ -393,7 +393,7 @@ class PipelineEngine(InboxEngine):
             except Exception:  # a bug in the loop itself: log, keep serving
                 log.exception("pipeline coordinator error")
                 time.sleep(0.05)
-        self._fail_all(waiting, active, "the engine was closed")
+        self._fail_all(waiting, active, "the engine was closed", "closed")
         self._flush_free()
 
     def _drain_wake(self) -> None:
@@ -415,14 +415,14 @@ class PipelineEngine(InboxEngine):
                                     self.context_length, self.config.prefill_chunk, t_submit)
         except Exception as e:
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
-                                  usage=Usage(0, 0)))
+                                  error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
         s = request.sampling
         try:
             spec = self.spec.open(request, gen)
         except Exception as e:
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
-                                  usage=Usage(0, 0)))
+                                  error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
         sample = s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None or request.constrained
         found = self.parked.take(ids) if spec is None else None
@@ -545,7 +545,8 @@ class PipelineEngine(InboxEngine):
         if f is None:
             log.warning("pipeline: a stage reported: %s (%s)", msg.message, msg.code)
             return
-        self._end(active, f, finished(f.gen, "error", error=f"pipeline stage error: {msg.message}"))
+        self._end(active, f, finished(f.gen, "error", error=f"pipeline stage error: {msg.message}",
+                                      error_code="peer_lost"))
 
     def _on_pong(self, index: int | None, msg: StagePong) -> None:
         if index is None:
@@ -619,12 +620,15 @@ class PipelineEngine(InboxEngine):
         log.error("pipeline broken: %s", reason)
         self._broken = reason
 
-    def _fail_all(self, waiting: collections.deque, active: dict[str, _Flight], reason: str) -> None:
+    def _fail_all(self, waiting: collections.deque, active: dict[str, _Flight], reason: str,
+                  code: str = "peer_lost") -> None:
+        """End every request: the ring broke (a stage was lost) or, code "closed", the engine closed."""
         while waiting:
             req, _t = waiting.popleft()
-            self._emit(TokenEvent(req.request_id, finish_reason="error", error=reason, usage=Usage(0, 0)))
+            self._emit(TokenEvent(req.request_id, finish_reason="error", error=reason, error_code=code,
+                                  usage=Usage(0, 0)))
         for f in list(active.values()):
-            self._end(active, f, finished(f.gen, "error", error=reason))
+            self._end(active, f, finished(f.gen, "error", error=reason, error_code=code))
 
     # -- wire --------------------------------------------------------------------
     def _send(self, i: int, msg: Any, tensors: list[np.ndarray] = ()) -> None:

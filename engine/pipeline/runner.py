@@ -142,8 +142,7 @@ class LocalFleet:
 
     def __init__(self, cfg: FleetConfig, progress: Progress | None = None) -> None:
         from engine.models import profile_model, resolve_model
-        from engine.models.profile import default_context
-        from engine.serve.local import context_from_config
+        from engine.models.profile import engine_context
 
         self.cfg = cfg
         self.progress = progress or (lambda _m, _f: None)
@@ -151,9 +150,8 @@ class LocalFleet:
         self.model_path = Path(self.resolved.path)
         plan_weights.refuse_unsupported(self.model_path)
         self.profile = profile_model(self.resolved)
-        trained = context_from_config(self.model_path)
         # None: what a chat user picks (DEFAULT_CONTEXT, at most the model's), not a 128k maximum.
-        self.context_length = min(cfg.context_length, trained) if cfg.context_length else default_context(trained)
+        self.context_length = engine_context(self.model_path, cfg.context_length)
         model = PlanModel.from_profile(self.profile)
         self.checkpoint = model.checkpoint_precision  # the model's own dtype: where weights "auto" starts
         self.plan = plan_local(model, cfg, self.context_length)
@@ -369,7 +367,7 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
 
 def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = None) -> PipelineEngine:
     """engine.serve.factory opener: options.extra may carry stages, split, threads, max_concurrent,
-    speculative (a SpecConfig)."""
+    context_length, speculative (a SpecConfig)."""
     extra = dict(getattr(options, "extra", {}) or {})
     split = extra.get("split")
     if isinstance(split, str):
@@ -378,5 +376,6 @@ def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = No
                       split=tuple(tuple(r) for r in split) if split else None,
                       exact=getattr(options, "precision", "default") == "f32",
                       device=getattr(options, "device", "CPU"), threads=extra.get("threads"),
-                      max_concurrent=int(extra.get("max_concurrent", 8)))
+                      max_concurrent=int(extra.get("max_concurrent", 8)),
+                      context_length=extra.get("context_length"))
     return launch_pipeline(cfg, progress, speculative=extra.get("speculative"))

@@ -26,6 +26,7 @@ from engine.protocol.frames import (
     encode_frames,
 )
 from engine.protocol.messages import (
+    EVENT_ERROR_CODES,
     FINISH_REASONS,
     ROLES,
     ChatMessage,
@@ -48,6 +49,7 @@ from engine.protocol import pipeline as _pipeline  # noqa: E402,F401  (pipeline 
 __all__ = [
     "DTYPES",
     "ERROR_CODES",
+    "EVENT_ERROR_CODES",
     "FINISH_REASONS",
     "MAX_MESSAGE_BYTES",
     "MAX_TENSOR_BYTES",

@@ -17,12 +17,14 @@ Importing this module registers the messages with the codec.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
 from engine.protocol._checks import is_int, is_num, is_text, require, set_float
 from engine.protocol.codec import register
+from engine.protocol.errors import ProtocolError
 
 MAX_ID_CHARS = 128  # request ids, shard ids
 MAX_NAME_CHARS = 255  # host names, device names, controller names
@@ -132,6 +134,46 @@ class AgentInfo:
                 is not None, "fingerprint must be 16 hex digits")
         if self.idle_since is not None:
             set_float(self, "idle_since")
+
+
+@register
+@dataclass(frozen=True)
+class AgentUp:
+    """An agent's first word to the process that started it (the tray, the app): it serves,
+    on these ports. Written once as one JSON line on the agent's stdout (`flotilla agent
+    --announce`), the way a shard worker says it is bound, so the starter reads fields and
+    never parses a log line."""
+
+    KIND: ClassVar[str] = "agent_up"
+    node_id: str
+    control_port: int
+    pair_port: int
+    info_port: int
+
+    def __post_init__(self) -> None:
+        require(is_node_id(self.node_id), "node_id must be 32 lower-case hex digits")
+        for name in ("control_port", "pair_port", "info_port"):
+            require(_port(getattr(self, name)), f"{name} must be 1..{MAX_PORT}")
+
+    def line(self) -> str:
+        """The JSON line the agent writes (one line, no newline)."""
+        return json.dumps({"event": self.KIND, "node_id": self.node_id, "control_port": self.control_port,
+                           "pair_port": self.pair_port, "info_port": self.info_port})
+
+    @classmethod
+    def from_line(cls, line: str | bytes) -> "AgentUp | None":
+        """The message in one stdout line; None for any other line (a native library's print).
+        A line that claims to be one but is malformed raises ProtocolError."""
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or obj.get("event") != cls.KIND:
+            return None
+        fields = {k: v for k, v in obj.items() if k != "event"}
+        if set(fields) != {"node_id", "control_port", "pair_port", "info_port"}:
+            raise ProtocolError(f"agent_up has fields {sorted(fields)}")
+        return cls(**fields)
 
 
 @register

@@ -20,6 +20,17 @@ from engine.protocol.structured import MAX_TOOL_CALLS, ToolCall, ToolSpec, check
 
 ROLES = ("system", "user", "assistant", "tool")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# Why an answer ended in error, for programs: the API picks its HTTP status by it and the
+# chat panel its banner. The sentence in TokenEvent.error is for people and may be reworded
+# at will; nothing branches on its words.
+EVENT_ERROR_CODES = (
+    "context_length_exceeded",  # the prompt does not fit the context (prompt + answer): a client error
+    "bad_request",  # the request cannot be served as asked (empty prompt, a grammar that does not compile, ...)
+    "peer_lost",  # a pipeline stage failed or stopped answering: the fleet, not the request
+    "closed",  # the engine was closed while the request waited or ran
+    "engine",  # anything else: the engine failed on this request
+)
+CLIENT_ERROR_CODES = ("context_length_exceeded", "bad_request")  # the request's fault (HTTP 400)
 MAX_TEXT_CHARS = 1_000_000  # one chat message or prompt
 MAX_MESSAGES = 1_000
 MAX_STOP_STRINGS = 16
@@ -252,6 +263,7 @@ class TokenEvent:
     timings: Timings | None = None  # on the final event
     error: str | None = None  # one-line reason when finish_reason == "error"
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry when the request asked for them
+    error_code: str | None = None  # one of EVENT_ERROR_CODES with an error ("engine" when not given)
 
     def __post_init__(self) -> None:
         _require(_is_request_id(self.request_id), "bad request_id")
@@ -268,6 +280,10 @@ class TokenEvent:
                  f"error must be a string of at most {MAX_ERROR_CHARS} characters")
         _require((self.error is not None) == (self.finish_reason == "error"),
                  "error goes with finish_reason 'error', and only with it")
+        if self.error is not None and self.error_code is None:
+            object.__setattr__(self, "error_code", "engine")
+        _require(self.error_code is None if self.error is None else self.error_code in EVENT_ERROR_CODES,
+                 f"error_code goes with an error, and is one of {EVENT_ERROR_CODES}")
         _require(self.usage is None or isinstance(self.usage, Usage), "bad usage")
         _require(self.timings is None or isinstance(self.timings, Timings), "bad timings")
         _require(self.finish_reason is not None or (self.usage is None and self.timings is None),

@@ -13,4 +13,5 @@ rule tightened) bumps it, because decoding is strict about the field set.
 # 5: SamplingParams.logprobs and TokenEvent.logprobs (TokenLogprob); the "tool" role,
 #    ChatMessage.tool_calls / tool_call_id (ToolCall); GenerateRequest tools (ToolSpec),
 #    tool_choice, forced_tool, json_schema; Usage.cached_tokens (prompt caching)
-PROTOCOL_VERSION: int = 5
+# 6: TokenEvent.error_code (EVENT_ERROR_CODES): an error's category travels as a code, not in its words
+PROTOCOL_VERSION: int = 6

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from engine.protocol.messages import GenerateRequest
+from engine.runtime.errors import RequestError
 from engine.runtime.tool_format import ITEM_SEPARATOR, KEY_SEPARATOR, ToolFormat
 
 # llguidance's JSON options: the separators above, no free whitespace
@@ -31,7 +32,7 @@ ANY_OBJECT = '{"type": "object"}'  # response_format json_object
 _tokenizers: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]]" = weakref.WeakKeyDictionary()
 
 
-class GrammarError(ValueError):
+class GrammarError(RequestError):
     """A schema or grammar llguidance cannot compile (a 400 at the API)."""
 
 

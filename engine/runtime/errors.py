@@ -1,5 +1,20 @@
-"""The one error type of engine.runtime: its message is shown to users as is."""
+"""The error types of engine.runtime: their messages are shown to users as is."""
 
 
 class BackendError(RuntimeError):
     """A model could not be exported, compiled or run; str(e) is a one-line reason."""
+
+
+class RequestError(ValueError):
+    """The request itself cannot be served as asked; `code` is one of the protocol's
+    EVENT_ERROR_CODES for a client error ("bad_request", "context_length_exceeded"), so
+    an engine's error event, and the API's 400, carry the category and not just words."""
+
+    def __init__(self, message: str, code: str = "bad_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def error_code_of(e: BaseException) -> str:
+    """The event error code for an exception that ended a request."""
+    return e.code if isinstance(e, RequestError) else "engine"

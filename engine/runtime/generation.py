@@ -24,6 +24,7 @@ from engine.runtime import tool_format
 from engine.runtime.backend import ModelStream
 from engine.runtime.constraint import Constraint
 from engine.runtime.detokenize import Detokenizer
+from engine.runtime.errors import RequestError
 from engine.runtime.sampling import Sampler, SamplerConfig, token_logprob
 
 
@@ -51,12 +52,14 @@ class Generation:
     def create(cls, request: GenerateRequest, prompt_ids: list[int], stream: ModelStream,
                tokenizer: Any, eos_ids: frozenset[int], context_length: int,
                chunk: int = 512, t_submit: float | None = None) -> "Generation":
-        """context_length bounds prompt + answer; raises ValueError if the prompt does not fit."""
+        """context_length bounds prompt + answer; raises RequestError (a ValueError) if the
+        prompt is empty or does not fit, GrammarError (one too) if its grammar does not compile."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty (no tokens after templating)")
+            raise RequestError("the prompt is empty (no tokens after templating)")
         if len(prompt_ids) >= context_length:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
-                             f"{context_length} (prompt + answer); shorten the conversation")
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds "
+                               f"{context_length} (prompt + answer); shorten the conversation",
+                               "context_length_exceeded")
         s = request.sampling
         return cls(
             request=request, prompt_ids=list(prompt_ids), stream=stream,
@@ -159,14 +162,16 @@ def decode_n(gen: Generation, n: int | None = None) -> list[TokenEvent]:
 
 
 def finished(gen: Generation, reason: str, text: str = "", token_ids: tuple[int, ...] = (),
-             error: str | None = None, logprobs: tuple[TokenLogprob, ...] = ()) -> TokenEvent:
-    """The final event of a request (usage and timings included)."""
+             error: str | None = None, logprobs: tuple[TokenLogprob, ...] = (),
+             error_code: str | None = None) -> TokenEvent:
+    """The final event of a request (usage and timings included); an error's code is one of
+    EVENT_ERROR_CODES ("engine" when not given)."""
     gen.finish_reason = reason
     if reason in ("cancelled", "error") and not gen.detok.done:
         text += gen.detok.finish() if reason == "cancelled" else ""
     return TokenEvent(gen.request_id, text=text, token_ids=token_ids, finish_reason=reason,
                       usage=Usage(len(gen.prompt_ids), len(gen.output_ids), gen.cached),
-                      timings=timings(gen), error=error, logprobs=logprobs)
+                      timings=timings(gen), error=error, logprobs=logprobs, error_code=error_code)
 
 
 def timings(gen: Generation, now: float | None = None) -> Timings:

@@ -56,6 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.protocol.errors import ProtocolError
 from engine.protocol.messages import (
+    CLIENT_ERROR_CODES,
     MAX_TOP_LOGPROBS,
     ChatMessage,
     GenerateRequest,
@@ -406,12 +407,16 @@ def _usage(final: TokenEvent | None) -> dict[str, Any]:
 
 
 def _refused_prompt(final: TokenEvent) -> bool:
-    """An error about the request itself (a client error, 400): the prompt does not fit the
-    context or is empty. Every engine refuses those through Generation.create
-    (engine/runtime/generation.py), before any token, with these phrases."""
-    err = final.error or ""
+    """An error about the request itself (a client error, 400), by the event's code: the
+    prompt does not fit the context or is empty, its grammar does not compile, ... (every
+    engine refuses those at admission, before any token). Never by the error's words."""
     no_tokens = final.usage is None or final.usage.completion_tokens == 0
-    return no_tokens and (err.startswith("the prompt has ") or err.startswith("the prompt is empty"))
+    return no_tokens and final.error_code in CLIENT_ERROR_CODES
+
+
+def _openai_code(final: TokenEvent) -> str | None:
+    """OpenAI's error code for a refused request (context_length_exceeded is the one it names)."""
+    return "context_length_exceeded" if final.error_code == "context_length_exceeded" else None
 
 
 def _finish(reason: str | None) -> str:
@@ -581,7 +586,7 @@ async def _generate(body: _Sampling, request: Request, engine: Engine, chat: boo
     text, final, lps = await _collect(engine, rid, request)
     if final is not None and final.finish_reason == "error" and _refused_prompt(final):
         raise ApiError(400, final.error or "the prompt was refused", param="messages" if chat else "prompt",
-                       code="context_length_exceeded" if "context holds" in (final.error or "") else None)
+                       code=_openai_code(final))
     if final is not None and final.finish_reason == "error":
         raise ApiError(500, f"The engine failed: {final.error or 'unknown error'}", "server_error",
                        code="engine_error")
@@ -667,8 +672,10 @@ async def _sse(engine: Engine, rid: str, head: dict[str, Any], shaper: ChatShape
                 if ev.finish_reason == "error":
                     for d, _ in pieces(ev.text, ()):
                         yield chunk(d, None)
-                    err = error_body(f"The engine failed: {ev.error or 'unknown error'}",
-                                     "server_error", code="engine_error")
+                    err = (error_body(ev.error or "the request was refused", "invalid_request_error",
+                                      code=_openai_code(ev)) if _refused_prompt(ev)
+                           else error_body(f"The engine failed: {ev.error or 'unknown error'}",
+                                           "server_error", code="engine_error"))
                     yield {"data": _dumps(err)}
                 else:
                     last = pieces(ev.text, ev.logprobs)

@@ -36,13 +36,14 @@ from engine.protocol.messages import GenerateRequest, SamplingParams, TokenEvent
 from engine.runtime.backend import Progress
 from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
+from engine.runtime.errors import RequestError, error_code_of
 from engine.runtime.generation import Generation, accept, finished
 from engine.runtime import tool_format
 from engine.serve import batched_worker
 from engine.serve.fields import engine_refusal
 from engine.serve.interface import Engine, EngineError, EngineInfo
 from engine.serve.inbox import TurnEngine
-from engine.serve.local import context_from_config
+from engine.models.profile import engine_context
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +163,7 @@ class BatchedEngine(TurnEngine):
         if progress:
             progress(f"compiling {model_id} for the batching pipeline")
         self._child = PipelineProcess(folder, device, precision, max_concurrent, kv_cache_gb, prefill_chunk)
-        trained = context_from_config(ir)
-        self.context_length = min(context_length, trained) if context_length else trained
+        self.context_length = engine_context(ir, context_length)
         self.eos_ids = eos_token_ids(ir, self.tokenizer)
         self._ids = itertools.count()
         self._start_scheduler(f"flotilla-batched-{model_id}")
@@ -229,7 +229,7 @@ class BatchedEngine(TurnEngine):
         try:
             refused = engine_refusal(request, UNSUPPORTED)
             if refused is not None:  # the API refuses these before submitting; other callers end here
-                raise ValueError(f"{refused.param} is not supported by the batched engine")
+                raise RequestError(f"{refused.param} is not supported by the batched engine")
             ids = request_ids(self.tokenizer, request)
             rid = next(self._ids)
             gen = Generation.create(request, ids, _Handle(rid, self._child), self.tokenizer, self.eos_ids,
@@ -240,7 +240,8 @@ class BatchedEngine(TurnEngine):
             gen.t_start = time.perf_counter()
             return gen
         except Exception as e:
-            self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e), usage=Usage(0, 0)))
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e),
+                                  error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
 
     def _end(self, gen: Generation, event: TokenEvent) -> None:
@@ -253,4 +254,5 @@ class BatchedEngine(TurnEngine):
 def open_batched(spec: str, options: Any, progress: Progress | None) -> Engine:
     """engine kind "batched" (engine/serve/factory.py)."""
     return BatchedEngine.from_spec(spec, device=options.device, precision=options.precision, progress=progress,
-                                   max_concurrent=int(options.extra.get("max_concurrent", 8)))
+                                   max_concurrent=int(options.extra.get("max_concurrent", 8)),
+                                   context_length=options.extra.get("context_length"))

@@ -44,6 +44,7 @@ def _open_local(spec: str, options: EngineOptions, progress: Progress | None) ->
 
     return LocalEngine.from_spec(spec, device=options.device, precision=options.precision,
                                  backend=options.backend, progress=progress,
+                                 context_length=options.extra.get("context_length"),  # None: the one default
                                  speculative=options.extra.get("speculative"))  # a SpecConfig or None
 
 

@@ -39,7 +39,7 @@ def drain_inbox(inbox: queue.SimpleQueue, waiting: collections.deque, block: boo
 def refuse_waiting(emit, waiting: collections.deque) -> None:
     """End every request that was never admitted: the engine is closing."""
     for req, _t in waiting:
-        emit(TokenEvent(req.request_id, finish_reason="error", error="the engine was closed",
+        emit(TokenEvent(req.request_id, finish_reason="error", error="the engine was closed", error_code="closed",
                         usage=Usage(0, 0)))
 
 
@@ -127,7 +127,7 @@ class TurnEngine(InboxEngine):
                 log.exception("%s scheduler error", type(self).__name__)
         self._take_inbox(waiting, block=False)
         for gen in active:
-            self._end(gen, finished(gen, "error", error="the engine was closed"))
+            self._end(gen, finished(gen, "error", error="the engine was closed", error_code="closed"))
         refuse_waiting(self._emit, waiting)
 
     def _drop_cancelled(self, waiting: collections.deque, active: list[Generation]) -> None:

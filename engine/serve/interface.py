@@ -26,7 +26,13 @@ DEFAULT_MAX_PENDING = 256  # running + queued requests per engine before submit(
 
 
 class EngineError(RuntimeError):
-    """An engine refused a request (closed, duplicate id, overloaded...)."""
+    """An engine refused a request (closed, duplicate id, overloaded...). `code` is one of
+    the protocol's EVENT_ERROR_CODES ("peer_lost" when a pipeline's ring is broken), so a
+    caller branches on it and never on the message's words."""
+
+    def __init__(self, message: str, code: str = "engine") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class EngineOverloaded(EngineError):

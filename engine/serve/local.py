@@ -15,7 +15,6 @@ asks for it gets a mask-rollback stream, and each of its steps verifies
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,9 @@ from typing import Any
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.backend import BACKENDS, ModelBackend, Progress, load_backend
 from engine.runtime.chat import request_ids
-from engine.models.profile import DEFAULT_CONTEXT  # when config.json names no maximum
+from engine.models.profile import engine_context
 from engine.runtime.detokenize import eos_token_ids
+from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, finished, step
 from engine.runtime.speculative_local import MaskedOVStream, spec_step
 from engine.serve.inbox import TurnEngine
@@ -32,20 +32,6 @@ from engine.serve.interface import EngineError, EngineInfo
 from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
-
-def context_from_config(model_dir: Path) -> int:
-    """The model's trained context length from config.json (DEFAULT_CONTEXT if unknown)."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return DEFAULT_CONTEXT
-    cfg = cfg.get("text_config", cfg)
-    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx"):
-        v = cfg.get(key)
-        if isinstance(v, int) and v > 0:
-            return v
-    return DEFAULT_CONTEXT
-
 
 class LocalEngine(TurnEngine):
     def __init__(self, model_path: Path, model_id: str, device: str = "CPU", precision: str = "default",
@@ -66,8 +52,7 @@ class LocalEngine(TurnEngine):
         except Exception as e:
             self.backend.close()
             raise EngineError(f"cannot load the tokenizer of {model_path}: {e}") from e
-        trained = context_from_config(self.backend.model_dir)
-        self.context_length = min(context_length, trained) if context_length else trained
+        self.context_length = engine_context(self.backend.model_dir, context_length)
         self.eos_ids = eos_token_ids(self.backend.model_dir, self.tokenizer)
         self.max_concurrent = max_concurrent
         self.prefill_chunk = prefill_chunk
@@ -134,7 +119,7 @@ class LocalEngine(TurnEngine):
             if stream is not None:
                 stream.close()
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
-                                  usage=Usage(0, 0)))
+                                  error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
 
     def _step(self, gen: Generation) -> bool:

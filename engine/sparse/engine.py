@@ -24,9 +24,9 @@ from engine.runtime.backend import Progress
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.torch_backend import TorchStream
 from engine.serve.interface import Engine, EngineError, EngineInfo
-from engine.serve.local import LocalEngine, context_from_config
+from engine.serve.local import LocalEngine
 
-DEFAULT_CONTEXT = 4096  # KV bounded per request when no context is asked (models train to 128k)
+from engine.models.profile import DEFAULT_CONTEXT, engine_context  # KV bounded per request: one default
 from engine.sparse.cache import BudgetError
 from engine.sparse.calibrate import CalibConfig, ensure_calibration, work_dir
 from engine.platform.memory import memory_room, release_free_heap
@@ -210,8 +210,7 @@ class SparseEngine(LocalEngine):
 
         torch.set_grad_enabled(False)
         self.model_id = model_id
-        trained = context_from_config(Path(model_path))
-        self.context_length = min(cfg.context_length or DEFAULT_CONTEXT, trained)
+        self.context_length = engine_context(model_path, cfg.context_length)
         self.backend = SparseBackend(Path(model_path), cfg, progress, self.context_length, max_concurrent)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -343,6 +343,27 @@ def agent(tmp_path_factory):
     a.stop()
 
 
+def test_the_banner_takes_its_category_from_the_error_code(panel) -> None:
+    """A lost peer reads as one whatever its words, and an engine error whose words mention a
+    stage is still the engine's: the panel branches on TokenEvent.error_code, not on words."""
+    from app.conversation import STREAMING, Turn
+    from engine.protocol.messages import TokenEvent, Usage
+
+    used, panel._engine_used = panel._engine_used, None  # not the session's engine: nothing is marked broken
+    try:
+        for words, code, head in (("the other computer reset the connection", "peer_lost",
+                                   "A peer stopped answering"),
+                                  ("stage directions in the pipeline of a peer", "engine",
+                                   "The engine could not answer")):
+            turn = Turn("assistant", "", STREAMING)
+            panel._finish(turn, TokenEvent("r-banner", finish_reason="error", error=words, error_code=code,
+                                           usage=Usage(1, 0)))
+            assert turn.state == ERROR and head in panel.banner_label.text()
+            panel.banner.hide()
+    finally:
+        panel._engine_used = used
+
+
 def test_fleet_discovers_an_agent_and_pairs_with_the_code(win: MainWindow, agent, qtbot) -> None:
     from engine.fleet.security import pairing_code
 

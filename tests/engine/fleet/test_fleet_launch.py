@@ -80,7 +80,9 @@ def agents(tmp_path_factory, demo_dir):
 def fleet(agents):
     procs, keys, peers = agents
     events = []
-    engine = launch_fleet(keys, peers, CFG, on_event=events.append)
+    session = FleetSession(keys, peers, CFG, on_stage=STAGE_STEPS.append)  # what launch_fleet() does, + on_stage
+    session.add_listener(events.append)
+    engine = session.launch()
     yield engine, events, procs, keys
     engine.close()
 
@@ -197,7 +199,7 @@ def test_yield_reaches_the_controller_and_ends_requests(fleet):
     # the agent announces the yield first ("yielding": a hand-over grace), then stops the worker ("yield")
     assert ev.stage == 1 and ev.event.event in ("yielding", "yield") and ev.node_id == st.peer.node_id
     assert "stage 1" in ev.message and "yield" in ev.message
-    assert events and events[0] == ev  # the on_event callback given to launch_fleet too
+    assert events and events[0] == ev  # the listener the fixture added at launch too
     assert delay < 4.0, f"yield took {delay:.2f} s to reach the controller"
     req = GenerateRequest("after", messages=chat(("user", "hi")), sampling=SamplingParams(max_tokens=4))
     from engine.serve.interface import EngineError
@@ -210,3 +212,16 @@ def test_yield_reaches_the_controller_and_ends_requests(fleet):
     time.sleep(2.0)  # the agent's hand-over grace ends within 2 s of the user's return
     status = asyncio.run(_status(agent, keys))
     assert all(s.state != "running" for s in status.shards)
+
+
+STAGE_STEPS: list = []  # the fleet fixture's launch, step by step (StageProgress)
+
+
+def test_each_stage_reports_its_launch_steps_as_fields(fleet):
+    """The app's per-stage bars read these fields (engine.client.launch_fleet), never the words."""
+    for i in range(CFG.stages):
+        phases = [p.phase for p in STAGE_STEPS if p.stage == i]
+        assert phases[0] in ("export", "pack") and phases[-1] == "start", phases
+        assert set(phases[1:-1]) <= {"send", "have"} and phases[1:-1], phases
+        sent = [p.fraction for p in STAGE_STEPS if p.stage == i and p.phase in ("send", "have")]
+        assert sent == sorted(sent) and sent[-1] == 1.0

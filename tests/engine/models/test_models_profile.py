@@ -199,6 +199,33 @@ def test_default_context():
     assert default_context(2048) == 2048 and default_context(0) == DEFAULT_CONTEXT
 
 
+def test_one_context_default_for_engines_and_planner(copy_demo):
+    """A 128k model: the local engine serves, and the planner plans, the same default context
+    (engine_context, the one rule), and both take a context that was asked for."""
+    import json
+
+    from engine.models.profile import DEFAULT_CONTEXT, engine_context, trained_context
+    from engine.pipeline.plan import DeviceProfile, PeerProfile, PlanModel, PlanRequest, auto_plan
+    from engine.serve.local import LocalEngine
+
+    model = copy_demo("demo", "long-context")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 131072}))
+    assert trained_context(model) == 131072
+    assert engine_context(model) == DEFAULT_CONTEXT and engine_context(model, 10_000) == 10_000
+    assert engine_context(model, 200_000) == 131072
+    peer = PeerProfile("p", "pc", (DeviceProfile("CPU", "CPU"),), 8 * 10**9, 16 * 10**9)
+    plan = auto_plan(PlanModel.from_profile(profile_model(model)), [peer], PlanRequest())
+    engine = LocalEngine(model, "long-context", backend="torch")
+    asked = LocalEngine(model, "long-context", backend="torch", context_length=10_000)
+    try:
+        assert engine.info.context_length == plan.context_length == DEFAULT_CONTEXT
+        assert asked.info.context_length == 10_000
+    finally:
+        engine.close()
+        asked.close()
+
+
 def test_bf16_safetensors_dtype_label(copy_demo):
     import torch
     from safetensors.torch import save_file

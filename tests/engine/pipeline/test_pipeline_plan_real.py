@@ -53,6 +53,16 @@ def test_default_context_is_what_a_user_picks_not_the_128k_maximum(llama8):
     assert sum(s.kv_bytes for s in longer.stages) == pytest.approx(4 * sum(s.kv_bytes for s in plan.stages), rel=1e-6)
 
 
+def test_the_apps_default_request_plans_the_one_default_context(llama8):
+    """The facade the app plans through leaves the context to the planner (it once sent a
+    literal 4096 of its own): one default, engine.models.profile.DEFAULT_CONTEXT."""
+    from engine import client
+
+    request = client.plan_request(weight_precision="int4")
+    assert request.context_length is None
+    assert auto_plan(llama8, peers(2, 8, 16), request).context_length == DEFAULT_CONTEXT
+
+
 def test_70b_over_four_32gb_peers(llama70):
     fleet = peers(4, 32)
     int4 = auto_plan(llama70, fleet, PlanRequest(weight_precision="int4"))

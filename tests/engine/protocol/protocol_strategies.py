@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from engine.protocol import (
     DTYPES,
+    EVENT_ERROR_CODES,
     FINISH_REASONS,
     ROLES,
     ChatMessage,
@@ -101,6 +102,7 @@ def token_events(draw: st.DrawFn) -> TokenEvent:
         usage=draw(st.none() | usages) if final else None,
         timings=draw(st.none() | timings) if final else None,
         error=draw(st.text(alphabet=_chars, max_size=100)) if finish == "error" else None,
+        error_code=draw(st.none() | st.sampled_from(EVENT_ERROR_CODES)) if finish == "error" else None,
     )
 
 

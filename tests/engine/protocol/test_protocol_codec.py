@@ -421,3 +421,19 @@ def test_register_rejects_bad_classes() -> None:
             register(cls)
     assert "test_dict_field" not in registered()
     assert register(ChatMessage) is ChatMessage  # idempotent
+
+
+def test_agent_up_line_round_trip_and_refusals():
+    """The agent's announce line (engine.protocol.control.AgentUp): fields in, fields out; any
+    other line is not it; a line that claims to be it with bad fields is a ProtocolError."""
+    from engine.protocol.control import AgentUp
+
+    up = AgentUp("0" * 32, 7000, 7001, 7002)
+    assert AgentUp.from_line(up.line()) == up and AgentUp.from_line(up.line() + "\n") == up
+    assert AgentUp.from_line("agent 0000 up: control 7000, pairing 7001, info 7002") is None  # a log line
+    assert AgentUp.from_line('{"event": "bound", "endpoint": "tcp://x:1"}') is None
+    with pytest.raises(ProtocolError):
+        AgentUp.from_line('{"event": "agent_up", "node_id": "' + "0" * 32 + '", "control_port": 0, '
+                          '"pair_port": 1, "info_port": 2}')
+    with pytest.raises(ProtocolError):
+        AgentUp.from_line('{"event": "agent_up", "node_id": "x"}')

@@ -17,6 +17,14 @@ from engine.serve.api import ApiServer, create_app
 from engine.serve.interface import Engine, EngineInfo
 
 
+# prompt -> (error code, message): the category is in the code; the words are free to change
+REWORDED = {
+    "too-long": ("context_length_exceeded", "this conversation is more than the model can read at once"),
+    "bad-grammar": ("bad_request", "cannot compile that schema"),
+    "looks-like-a-refusal": ("engine", "the prompt has 5 tokens but the context holds 4 (a bug's words)"),
+}
+
+
 class ScriptedEngine(Engine):
     """Answers "w0 w1 ..." one word per token. The last message / prompt picks
     the fault: "fail" ends in an error after two tokens, "slow" emits a token
@@ -49,6 +57,10 @@ class ScriptedEngine(Engine):
                 return
             if text == "fail" and n == 2:
                 self._emit(TokenEvent(req.request_id, finish_reason="error", error="device lost"))
+                return
+            if text in REWORDED and n == 0:  # an admission error, its words unlike any engine's today
+                self._emit(TokenEvent(req.request_id, finish_reason="error", error=REWORDED[text][1],
+                                      error_code=REWORDED[text][0], usage=Usage(prompt_tokens, 0)))
                 return
             if text != "slow" and n == req.sampling.max_tokens:
                 self._emit(TokenEvent(req.request_id, finish_reason="length",
@@ -119,6 +131,24 @@ def test_engine_error_streaming_sends_error_event_then_done(served):
     err = json.loads(data[-2])["error"]
     assert "device lost" in err["message"] and err["type"] == "server_error"
     assert "".join(json.loads(d)["choices"][0]["text"] for d in data[:-2]) == " w0 w1"
+
+
+@pytest.mark.parametrize("prompt,status,code", [("too-long", 400, "context_length_exceeded"),
+                                                ("bad-grammar", 400, None),
+                                                ("looks-like-a-refusal", 500, "engine_error")])
+def test_an_errors_category_comes_from_its_code_not_its_words(served, prompt, status, code):
+    """A refused prompt is a 400 however the engine words it, and an engine failure a 500
+    even when its words read like a refusal: the API branches on TokenEvent.error_code."""
+    server, _ = served
+    resp = httpx.post(f"{server.url}/v1/completions", json={"model": "scripted", "prompt": prompt}, timeout=10)
+    err = _is_openai_error(resp, status)
+    assert err["code"] == code and REWORDED[prompt][1] in err["message"]
+    body = {"model": "scripted", "prompt": prompt, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=10) as r:
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    streamed = json.loads(data[-2])["error"]
+    assert streamed["type"] == ("invalid_request_error" if status == 400 else "server_error")
+    assert streamed["code"] == code
 
 
 def test_openai_client_raises_on_stream_error(client):
