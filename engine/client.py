@@ -87,7 +87,7 @@ class EngineKind:
 # yet are still listed, disabled, so the user sees what is coming.
 _KIND_MODULES = {
     "pipeline": ("engine.pipeline.runner", "Distributed pipeline"),
-    "local": ("engine.serve.local", "Local dense"),
+    "local": ("engine.serve.paged", "Local dense"),
     "moe": ("engine.moe.engine", "Local MoE offload"),
     "sparse": ("engine.sparse.engine", "Local sparse"),
 }
@@ -185,7 +185,8 @@ def open_engine(spec: str = "demo", device: str = "CPU", progress: Progress | No
     (local engine): the default speculation of its requests.
     """
     if kind == "local":
-        from engine.serve.local import LocalEngine  # lazy: pulls in torch/OpenVINO
+        from engine.models import resolve_model
+        from engine.serve.factory import open_whole_model  # lazy: pulls in torch/OpenVINO
 
         kw: dict[str, Any] = {}
         if context_length:
@@ -195,7 +196,8 @@ def open_engine(spec: str = "demo", device: str = "CPU", progress: Progress | No
         spec_cfg = _spec_config(speculative)
         if spec_cfg is not None:
             kw["speculative"] = spec_cfg
-        return LocalEngine.from_spec(spec, device=device, progress=progress, **kw)
+        resolved = resolve_model(spec, progress)
+        return open_whole_model(Path(resolved.path), resolved.model_id, progress, device=device, **kw)
     from engine.serve.factory import EngineOptions, open_engine as factory_open
 
     return factory_open(spec, kind, EngineOptions(device=device, cache_budget_bytes=cache_budget_bytes),

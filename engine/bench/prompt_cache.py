@@ -80,20 +80,18 @@ def _ask(engine: Any, rid: str, turns: list[tuple[str, str]], n: int) -> tuple[l
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
-    from engine.serve.local import LocalEngine
+    from engine.serve.factory import EngineOptions, open_engine
 
     history = args.history or (600 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)
     path = _model(args.model, report)
     report(f"opening {Path(path).name} on the {args.engine} engine (export and compile on first use)")
     if args.engine == "pipeline":
-        from engine.serve.factory import EngineOptions, open_engine
-
         engine = open_engine(path, "pipeline", EngineOptions(extra={"stages": 2, "max_concurrent": 2}))
         pool = engine.parked.capacity
-    else:
-        engine = LocalEngine.from_spec(path)
-        pool = engine.backend.pool_size
+    else:  # the paged engine's cache is bounded by its KV pool: any count > 0 turns it back on
+        engine = open_engine(path, "local", EngineOptions())
+        pool = engine.backend.pool_size if hasattr(engine, "backend") else 1
     rows = []
     try:
         _ask(engine, "warm", [("user", "Hello")], 4)

@@ -1,9 +1,10 @@
 """`flotilla bench serve`: several users on one PC, through the HTTP API.
 
-For each engine (--engines; default the local engine's round-robin loop, the
+For each engine (--engines; default the local engine -- every request in one forward
+pass over a paged KV cache --, the one-request-per-turn loop it replaced (`loop`), the
 batched engine -- openvino_genai's continuous batching -- and openvino_genai's
-LLMPipeline answering one request at a time, on the same IR at the same
-precision), one after the other in this process: open it, serve it with the
+LLMPipeline answering one request at a time, on the same IR at the same precision),
+one after the other in this process: open it, serve it with the
 OpenAI-compatible API on loopback, one warm-up answer, then for each concurrency c
 (--concurrency, default 1,4,8,16) c streaming chat requests at once, each a
 different prompt (no engine can re-use another's prefix), greedy, exactly --tokens
@@ -40,11 +41,12 @@ from engine import aio
 
 NAME = "serve"
 HELP = ("several users on one PC through the HTTP API: aggregate tok/s and TTFT p50/p95 at 1, 4, 8 and 16 "
-        "concurrent requests, the local engine's loop vs continuous batching vs openvino_genai's LLMPipeline, "
+        "concurrent requests, the local engine vs its earlier one-request-per-turn loop vs openvino_genai's "
+        "continuous batching and LLMPipeline, "
         "and the constrained-decoding (JSON schema) overhead per token")
 
 LLM_PIPELINE = "llm-pipeline"  # openvino_genai's LLMPipeline, one request at a time (engine/bench/_llm_pipeline.py)
-ENGINES = ("local", "batched", LLM_PIPELINE)
+ENGINES = ("local", "loop", "batched", LLM_PIPELINE)
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
           "minItems": 4096, "maxItems": 4096}  # never complete within --tokens: every answer ends on length
 
@@ -53,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a random-Llama preset (random-llama-0.9b, random-llama-tiny), a demo id or a model "
                         "folder (default random-llama-0.9b; quick demo)")
-    p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated: local, batched, llm-pipeline (default all three)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated: local, loop, batched, llm-pipeline (default all four)")
     p.add_argument("--concurrency", default=None, help="concurrent requests per step (default 1,4,8,16; quick 1,4)")
     p.add_argument("--tokens", type=int, default=None, help="new tokens per answer (default 32; quick 8)")
     p.add_argument("--rounds", type=int, default=None, help="rounds over every engine (default 2; quick 1)")

@@ -73,7 +73,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt + answer tokens per request (default: the model's, at most 4096); the moe "
                         "and sparse engines reserve KV for this many per request up front")
     p.add_argument("--max-concurrent", type=int, default=None, metavar="N",
-                   help="moe engine: requests computed at once, each with its KV reserve (default 4)")
+                   help="requests computed at once: local/loop engines (default 8; the local engine runs them "
+                        "in one forward pass), moe engine (default 4, each with its KV reserve)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,12 +115,17 @@ def open_engine_from_args(args: argparse.Namespace):
                 if value < 1:
                     raise UserError(f"--{name.replace('_', '-')} must be at least 1")
                 extra["context_length" if name == "context" else name] = value
-    elif getattr(args, "max_concurrent", None) is not None:
-        raise UserError("--max-concurrent applies to the moe engine")
-    elif getattr(args, "context", None) is not None:
-        if args.context < 1:
-            raise UserError("--context must be at least 1")
-        extra["context_length"] = args.context
+    else:
+        if getattr(args, "max_concurrent", None) is not None:
+            if args.engine not in ("local", "loop"):
+                raise UserError("--max-concurrent applies to the local, loop and moe engines")
+            if args.max_concurrent < 1:
+                raise UserError("--max-concurrent must be at least 1")
+            extra["max_concurrent"] = args.max_concurrent
+        if getattr(args, "context", None) is not None:
+            if args.context < 1:
+                raise UserError("--context must be at least 1")
+            extra["context_length"] = args.context
     if weights != "auto" and (args.engine != "local" or args.backend != "openvino"):
         raise UserError("--weights applies to the local engine's OpenVINO backend and the moe engine "
                         "(pipeline shards: `flotilla pipeline --weights`)")
@@ -145,15 +151,16 @@ def _open_local_at(model: str, weights: str, options, progress):
     from engine.models import resolve_model
     from engine.runtime.errors import BackendError
     from engine.runtime.ov_backend import ensure_ir
-    from engine.serve.local import LocalEngine
+    from engine.serve.factory import open_whole_model
 
     resolved = resolve_model(model, progress)
     try:
         ir = ensure_ir(Path(resolved.path), progress=progress, weights=weights)
     except BackendError as e:
         raise UserError(str(e)) from None
-    return LocalEngine(ir, resolved.model_id, device=options.device, precision=options.precision,
-                       backend="openvino", progress=progress, speculative=options.extra.get("speculative"))
+    kw = {k: options.extra[k] for k in ("context_length", "speculative") if k in options.extra}
+    return open_whole_model(ir, resolved.model_id, progress, device=options.device, precision=options.precision,
+                            **kw)
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -137,10 +137,16 @@ class LocalSpeculation:
             self.draft_model = DraftModel(path, self.device, self.precision, self.progress)
         return self.draft_model
 
+    def wants(self, request: GenerateRequest) -> bool:
+        """Whether a request speculates: asked (or the default), and nothing in it needs each
+        token picked on its own -- a grammar's mask or a logprob with alternatives, which the
+        verify step does not apply (a speed setting: the answer is the same without it)."""
+        return (self.config.resolve(request.speculative).on and not request.constrained
+                and request.sampling.logprobs is None)
+
     def new_stream(self, request: GenerateRequest) -> MaskedOVStream | None:
         """A masked stream when the request speculates, else None (the plain one is used)."""
-        settings = self.config.resolve(request.speculative)
-        if not settings.on:
+        if not self.wants(request):
             return None
         if not self.supported:
             raise ValueError("speculative decoding needs the openvino backend")

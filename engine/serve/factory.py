@@ -7,12 +7,15 @@ Each kind maps to a function (spec, options) -> Engine, imported lazily so that
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine.serve.interface import Engine, EngineError
 
 Progress = Callable[[str, float], None]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,36 @@ def _lazy(target: str) -> Callable[[str, EngineOptions, Progress | None], Engine
     return opener
 
 
+def open_whole_model(path: Any, model_id: str, progress: Progress | None = None, backend: str = "openvino",
+                     **kw: Any) -> Engine:
+    """The local engine on a resolved model folder: the paged engine (every request in one
+    forward pass) on OpenVINO; the one-request-per-turn loop on the torch reference backend,
+    or where the model's attention has no paged form (said in the log)."""
+    from engine.serve.local import LocalEngine
+
+    if backend == "openvino":
+        from engine.runtime.ov_paged import PagedUnsupported
+        from engine.serve.paged import PagedEngine
+
+        try:
+            return PagedEngine(path, model_id, progress=progress, **kw)
+        except PagedUnsupported as e:
+            log.warning("%s; serving one request per turn instead", e)
+    return LocalEngine(path, model_id, backend=backend, progress=progress, **kw)
+
+
 def _open_local(spec: str, options: EngineOptions, progress: Progress | None) -> Engine:
+    from pathlib import Path
+
+    from engine.models import resolve_model
+
+    resolved = resolve_model(spec, progress)
+    kw = {k: options.extra[k] for k in ("context_length", "speculative", "max_concurrent") if k in options.extra}
+    return open_whole_model(Path(resolved.path), resolved.model_id, progress, options.backend,
+                            device=options.device, precision=options.precision, **kw)
+
+
+def _open_loop(spec: str, options: EngineOptions, progress: Progress | None) -> Engine:
     from engine.serve.local import LocalEngine
 
     return LocalEngine.from_spec(spec, device=options.device, precision=options.precision,
@@ -50,7 +82,9 @@ def _open_local(spec: str, options: EngineOptions, progress: Progress | None) ->
 
 # kind -> (opener, one-line description for --help)
 ENGINE_KINDS: dict[str, tuple[Callable[[str, EngineOptions, Progress | None], Engine], str]] = {
-    "local": (_open_local, "the whole model on this PC (OpenVINO)"),
+    "local": (_open_local, "the whole model on this PC, every request in one forward pass (OpenVINO, paged KV "
+                           "cache)"),
+    "loop": (_open_loop, "the whole model on this PC, one token of each request per turn (a KV state per request)"),
     "batched": (_lazy("engine.serve.batched:open_batched"),
                 "the whole model on this PC, concurrent requests batched (openvino_genai continuous batching)"),
     "pipeline": (_lazy("engine.pipeline.runner:open_pipeline_engine"),

@@ -67,7 +67,7 @@ SHOW = ("`flotilla bench serve` (0.9 B random Llama, bf16, default precision; st
         "32 greedy tokens through the API; 2 rounds per run, engine order alternating)")
 
 
-def _serve_rows(i: int, c: int) -> tuple[Row, Row, Row, Row]:
+def _serve_rows(i: int, c: int) -> tuple[Row, ...]:
     local = f"{S}:figures.local.levels.{i}"
     fig = "{%s.aggregate_tok_s|f1} tok/s in all; TTFT p50 {%s.ttft_p50_s|f2} s, p95 {%s.ttft_p95_s|f2} s"
     users = f"{c} concurrent request{'s' if c > 1 else ''}"
@@ -78,12 +78,14 @@ def _serve_rows(i: int, c: int) -> tuple[Row, Row, Row, Row]:
                    "same answers as it: {%s.same_as_first_engine|pct}" % (k, k), SHOW)
 
     held = f"{S}:figures.local.constrained.{i}"
-    return (Row(f"{users}: local engine (round-robin loop)", fig % (local, local, local), SHOW),
+    return (Row(f"{users}: local engine (every request in one forward pass, paged KV cache)",
+                fig % (local, local, local), SHOW),
             Row(f"{users}: local engine, every answer held to a JSON schema (constrained decoding)",
                 "{%s.aggregate_tok_s|f1} tok/s in all; {%s.constrained_over_free|x} its free answers' tok/s; "
                 "{%s.constrained_extra_ms_per_token|f2} ms more per token of an answer (below the runs' noise "
                 "where the range spans 0)" % (held, held, held), SHOW),
-            beside("batched", "batched engine (continuous batching)"),
+            beside("loop", "the earlier local engine (one token of each request per turn, `--engine loop`)"),
+            beside("batched", "openvino_genai continuous batching (`--engine batched`)"),
             beside("llm-pipeline", "openvino_genai LLMPipeline (one request at a time)"))
 
 

@@ -1,6 +1,6 @@
 """Hostile HTTP input: schemathesis generates requests from the API's own
 OpenAPI document and sends them to a live ApiServer (127.0.0.1) over the
-real LocalEngine on the demo model. No 500s; status codes, content types,
+real local engine (the default, paged) on the demo model. No 500s; status codes, content types,
 headers and bodies conform to the document."""
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 @pytest.fixture(scope="module")
 def api_url(demo_dir):
     from engine.serve.api import ApiServer, create_app
-    from engine.serve.local import LocalEngine
+    from engine.serve.factory import EngineOptions, open_engine
 
     demo_dir("demo")
     # A small context bounds every answer (max_tokens is capped by it): each call stays short.
-    engine = LocalEngine.from_spec("demo", context_length=256, max_concurrent=4)
+    engine = open_engine("demo", "local", EngineOptions(extra={"context_length": 256, "max_concurrent": 4}))
     server = ApiServer(create_app(engine)).start()
     yield server.url
     server.stop()

@@ -7,11 +7,12 @@ import pytest
 
 @pytest.fixture(scope="module")
 def demo_engine():
-    """The real LocalEngine on the `demo` model, OpenVINO in f32 (greedy answers are then
-    reproducible and equal transformers'), one per test module."""
-    from engine.serve.local import LocalEngine
+    """The real local engine (what `--engine local`, the default, opens: the paged engine) on
+    the `demo` model, OpenVINO in f32 (greedy answers are then reproducible and equal
+    transformers'), one per test module."""
+    from engine.serve.factory import EngineOptions, open_engine
 
-    eng = LocalEngine.from_spec("demo", precision="f32")
+    eng = open_engine("demo", "local", EngineOptions(precision="f32"))
     try:
         yield eng
     finally:

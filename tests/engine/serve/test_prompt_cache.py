@@ -1,5 +1,6 @@
-"""Prompt caching on the local engine (OpenVINO): a follow-up turn keeps the KV of the
-conversation so far and prefills only what is new, reports it as cached_tokens, and
+"""Prompt caching on the local engine (paged: whole KV blocks of ended answers) and on
+the loop engine (its idle requests' KV, to the token): a follow-up turn keeps the KV of
+the conversation so far and prefills only what is new, reports it as cached_tokens, and
 answers exactly what transformers answers from the whole prompt (greedy, f32)."""
 
 from __future__ import annotations
@@ -17,9 +18,21 @@ SYSTEM = ("system", "You answer questions about the water of the world. " * 12)
 N = 12
 
 
-@pytest.fixture(scope="module")
-def engine(demo_engine):
-    return demo_engine
+@pytest.fixture(scope="module", params=["local", "loop"])
+def engine(request, demo_engine):
+    if request.param == "local":
+        yield demo_engine
+        return
+    from engine.serve.local import LocalEngine
+
+    with LocalEngine.from_spec("demo", precision="f32") as eng:
+        yield eng
+
+
+def _whole(engine, n: int) -> int:
+    """n rounded down to what the engine can keep: whole KV blocks on the paged engine."""
+    grain = engine.pool.block_size if hasattr(engine, "pool") else 1
+    return n - n % grain
 
 
 def _ask(engine, rid: str, messages, n: int = N):
@@ -39,7 +52,7 @@ def test_a_follow_up_turn_prefills_only_what_is_new(engine, demo_dir):
     second = first + chat(("assistant", text1), ("user", "And lakes?"))
     ids2, _, end2 = _ask(engine, "t2", second)
     # the first prompt and the answer's tokens but its last (never fed back) are reused
-    assert end2.usage.cached_tokens >= end1.usage.prompt_tokens
+    assert end2.usage.cached_tokens >= _whole(engine, end1.usage.prompt_tokens) > 0
     assert end2.usage.cached_tokens < end2.usage.prompt_tokens
     _check_against_transformers(engine, demo_dir, second, ids2)
 
@@ -50,7 +63,7 @@ def test_an_edited_last_turn_keeps_the_shared_part_only(engine, demo_dir):
     edited = chat(SYSTEM, ("user", "Tell me about the moon instead."))
     ids, _, end = _ask(engine, "e2", edited)
     shared = len(chat_ids(engine.tokenizer, chat(SYSTEM)))  # at least the system turn is shared
-    assert shared <= end.usage.cached_tokens < len(chat_ids(engine.tokenizer, base))
+    assert 0 < _whole(engine, shared) <= end.usage.cached_tokens < len(chat_ids(engine.tokenizer, base))
     _check_against_transformers(engine, demo_dir, edited, ids)
 
 
@@ -58,19 +71,37 @@ def test_the_same_prompt_again_is_answered_the_same(engine):
     msgs = chat(SYSTEM, ("user", "Name a river."))
     ids1, _, _ = _ask(engine, "s1", msgs)
     ids2, _, end = _ask(engine, "s2", msgs)
-    assert ids1 == ids2 and end.usage.cached_tokens == end.usage.prompt_tokens - 1  # the last one must run
+    # all but the last id (it must run for the next token's logits), in whole blocks on the paged engine
+    assert ids1 == ids2 and end.usage.cached_tokens == _whole(engine, end.usage.prompt_tokens - 1)
 
 
-def test_the_cache_is_bounded_and_the_oldest_goes(engine):
-    """The engine keeps as many conversations as its pool of idle requests (2): a third
-    one pushes the oldest out, whose follow-up is then prefilled in full."""
-    convs = [chat(SYSTEM, ("user", f"Question number {i} about water, please.")) for i in range(3)]
-    ends = [_ask(engine, f"b{i}", c)[2] for i, c in enumerate(convs)]
-    assert engine.backend.pool_size == 2
-    again = [_ask(engine, f"b{i}x", convs[i])[2] for i in (2, 0)]
+def test_the_loops_cache_is_bounded_and_the_oldest_goes():
+    """The loop engine keeps as many conversations as its pool of idle requests (2): a
+    third one pushes the oldest out, whose follow-up is then prefilled in full."""
+    from engine.serve.local import LocalEngine
+
+    with LocalEngine.from_spec("demo", precision="f32") as engine:
+        convs = [chat(SYSTEM, ("user", f"Question number {i} about water, please.")) for i in range(3)]
+        ends = [_ask(engine, f"b{i}", c)[2] for i, c in enumerate(convs)]
+        assert engine.backend.pool_size == 2
+        again = [_ask(engine, f"b{i}x", convs[i])[2] for i in (2, 0)]
     assert again[0].usage.cached_tokens > ends[2].usage.prompt_tokens // 2  # kept
     # the first conversation was evicted: only the shared system turn can come from elsewhere
     assert again[1].usage.cached_tokens <= len(chat_ids(engine.tokenizer, chat(SYSTEM))) + MIN_REUSE
+
+
+def test_the_paged_cache_is_the_pool_and_the_oldest_blocks_go(demo_dir):
+    """The paged engine keeps ended answers' blocks while the pool has room: with room for
+    about two conversations, the newest is kept, the first one's blocks are re-used."""
+    from engine.serve.paged import PagedEngine
+
+    with PagedEngine(demo_dir("demo"), "demo", precision="f32", max_blocks=12) as engine:
+        convs = [chat(("system", f"Rule {i}. " + SYSTEM[1]), ("user", "Tell me.")) for i in range(3)]
+        ends = [_ask(engine, f"p{i}", c)[2] for i, c in enumerate(convs)]
+        assert engine.pool.blocks_for(ends[0].usage.prompt_tokens + N) * 3 > 12  # three do not fit
+        again = [_ask(engine, f"p{i}x", convs[i])[2] for i in (2, 0)]
+    assert again[0].usage.cached_tokens == _whole(engine, ends[2].usage.prompt_tokens - 1) > 0  # kept
+    assert again[1].usage.cached_tokens == 0  # evicted (its system turn differs from the first token on)
 
 
 def test_the_api_reports_cached_tokens(engine):
@@ -84,4 +115,4 @@ def test_the_api_reports_cached_tokens(engine):
     finally:
         srv.stop()
     assert a.usage.prompt_tokens_details.cached_tokens < a.usage.prompt_tokens  # a new question: not all of it
-    assert b.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens
+    assert b.usage.prompt_tokens_details.cached_tokens >= _whole(engine, a.usage.prompt_tokens) > 0
