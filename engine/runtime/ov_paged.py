@@ -115,6 +115,9 @@ class PagedModel:
         ids, positions, past, begins, table, table_begins, rows = [], [], [], [0], [], [0], []
         for w in work:
             n = len(w.ids)
+            if n == 0 or len(w.blocks) * self.block_size < w.past + n or max(w.blocks, default=0) >= self.blocks:
+                # the kernel would write outside the pool: a scheduler bug, not a crash of the process
+                raise ValueError(f"a sequence's blocks do not cover its {w.past + n} positions")
             ids.extend(w.ids)
             positions.extend(range(w.past, w.past + n))
             past.append(w.past)
