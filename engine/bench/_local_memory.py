@@ -18,9 +18,9 @@ Two measurements, one bench run:
 
 Every answer is greedy with exactly `tokens` new tokens, the same prompt token ids for
 both engines. Answer i asks "(i) " + the prompt: openvino_genai keeps the previous
-call's KV blocks and re-uses them when a prompt starts with the same tokens (its
-prefix cache; the local engine has none yet), so a repeated prompt would time its
-cache, not its prefill. In a round both engines answer the same prompt.
+call's KV and re-uses it when a prompt starts with the same tokens (its prefix
+cache; the local engine keeps whole KV blocks of ended answers), so a repeated prompt
+would time a cache, not a prefill. In a round both engines answer the same prompt.
 
 Figures per answer: ttft_ms (call -> first token), decode_tok_s ((n - 1) / (last - first
 token)), both by wall clock around the same call shape; cpu_ms_per_token (the process's
@@ -72,14 +72,14 @@ def _prompt(prompt: str, i: int) -> str:
 
 
 class OursRunner:
-    """The local engine (LocalEngine, as `flotilla chat` runs it) answering chat messages."""
+    """The local engine (as `flotilla chat` opens it: the paged engine) answering chat messages."""
 
     name = "ours"
 
     def __init__(self, ir: Path) -> None:
-        from engine.serve.local import LocalEngine
+        from engine.serve.factory import open_whole_model
 
-        self.engine = LocalEngine(ir, "bench")
+        self.engine = open_whole_model(ir, "bench")
 
     def answer(self, prompt: str, tokens: int, tag: str) -> dict[str, float]:
         from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams

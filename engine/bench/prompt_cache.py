@@ -79,6 +79,27 @@ def _ask(engine: Any, rid: str, turns: list[tuple[str, str]], n: int) -> tuple[l
     return [t for e in events for t in e.token_ids], final
 
 
+def _kept_bytes(engine: Any) -> int | None:
+    """KV bytes of the paged engine's kept blocks (held by no running request); None elsewhere."""
+    pool = getattr(engine, "pool", None)
+    return None if pool is None else (pool.available - pool.free_blocks) * engine.model.block_bytes
+
+
+def _memory(engine: Any) -> dict[str, Any]:
+    """What the cache may cost: the paged engine's KV pool (the bound kept blocks live in);
+    this process's anonymous memory and its peak resident set."""
+    from engine.bench._local_memory import proc_status
+
+    out: dict[str, Any] = {}
+    pool = getattr(engine, "pool", None)
+    if pool is not None:  # cached_tokens come in whole blocks there
+        out.update(kv_pool_bytes=pool.blocks * engine.model.block_bytes, kv_block_bytes=engine.model.block_bytes,
+                   grain_tokens=pool.block_size)
+    status = proc_status()
+    out.update(rss_anon_bytes=status.get("RssAnon"), peak_rss_bytes=status.get("VmHWM"))
+    return out
+
+
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.serve.factory import EngineOptions, open_engine
 
@@ -103,6 +124,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             q2 = q1 + [("assistant", engine.tokenizer.decode(ids1, skip_special_tokens=True)),
                        ("user", "And what else?")]
             ids2, end2 = _ask(engine, f"r{r}t2", q2, args.answer)
+            kept = _kept_bytes(engine)  # what the cache holds once turn 2 ended
             engine.set_prompt_cache(0)  # no cache: turn 2 again from nothing
             ids3, end3 = _ask(engine, f"r{r}t2-nocache", q2, args.answer)
             engine.set_prompt_cache(pool)
@@ -110,11 +132,12 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                    "turn2_cached_tokens": end2.usage.cached_tokens, "uncached_cached_tokens": end3.usage.cached_tokens,
                    "turn1_ttft_s": round(end1.timings.ttft_s, 4), "turn2_ttft_s": round(end2.timings.ttft_s, 4),
                    "turn2_uncached_ttft_s": round(end3.timings.ttft_s, 4),
-                   "identical": ids2 == ids3}
+                   "identical": ids2 == ids3, "kept_bytes_after_turn2": kept}
             row["turn2_over_turn1"] = round(row["turn2_ttft_s"] / row["turn1_ttft_s"], 4)
             row["cached_over_uncached"] = round(row["turn2_ttft_s"] / row["turn2_uncached_ttft_s"], 4)
             rows.append(row)
             report(f"round {r + 1}: {row}")
+        memory = _memory(engine)
     finally:
         engine.close()
 
@@ -128,5 +151,5 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             "rounds": rows, "turn2_over_turn1": med("turn2_over_turn1"),
             "cached_over_uncached": med("cached_over_uncached"), "turn1_ttft_s": med("turn1_ttft_s"),
             "turn2_ttft_s": med("turn2_ttft_s"), "turn2_uncached_ttft_s": med("turn2_uncached_ttft_s"),
-            "turn2_cached_tokens": med("turn2_cached_tokens"), "goal": goal,
+            "turn2_cached_tokens": med("turn2_cached_tokens"), "goal": goal, "memory": memory,
             "passed": all(goal.values())}

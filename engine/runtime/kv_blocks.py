@@ -44,6 +44,11 @@ class BlockPool:
         """Blocks a sequence could get now: free ones and kept ones nobody holds."""
         return len(self._free) + sum(1 for b in self._kept.values() if self._refs[b] == 0)
 
+    @property
+    def free_blocks(self) -> int:
+        """Blocks neither held nor kept."""
+        return len(self._free)
+
     def blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
 

@@ -11,7 +11,7 @@ once. A `sampled_tokens_indices` input (a Gather before the LM head) asks for
 the logits rows the caller will pick from, one per sequence that needs one,
 where the plain model would compute a row per token fed.
 
-The cache tensors are allocated once, for `blocks` blocks; their element type and
+The cache tensors are allocated once (allocate(blocks)); their element type and
 block layout are the plugin's (CPU: 32 positions per block; bf16, f16, u8 with its
 scales, or f32 under precision "f32") and are read off the compiled model. Pages
 of the tensors are only resident once written, so the pool's size is a ceiling.
@@ -68,7 +68,6 @@ class PagedModel:
     """A compiled paged model and its KV cache tensors."""
 
     def __init__(self, source: Path, device: str = "CPU", precision: str = "default",
-                 kv_budget_bytes: int = 2 << 30, max_blocks: int | None = None,
                  progress: Progress | None = None) -> None:
         import openvino as ov
         from openvino._offline_transformations import paged_attention_transformation
@@ -97,17 +96,21 @@ class PagedModel:
             raise PagedUnsupported(f"{self.model_dir.name} has no attention the paged transformation could take")
         shapes = {i.get_any_name(): [d.get_length() for d in list(i.get_partial_shape())[1:]] for i in caches}
         self.block_size = shapes["value_cache.0"][1]  # value_cache: [blocks, kv heads, block size, head (+ scales)]
-        self.block_bytes = sum(int(np.prod(s)) * i.get_element_type().size for i, s in
-                               zip(caches, (shapes[c.get_any_name()] for c in caches)))
-        # u4 packs two per byte: its size() is 1 -- the figure is a ceiling then
-        self.blocks = max(1, kv_budget_bytes // self.block_bytes)
-        if max_blocks is not None:
-            self.blocks = max(1, min(self.blocks, max_blocks))
-        for i in caches:
-            tensor = ov.Tensor(i.get_element_type(), [self.blocks, *shapes[i.get_any_name()]])
-            self.request.set_tensor(i.get_any_name(), tensor)
+        # u4 packs two per byte but its size() is 1: the figure is then a ceiling
+        self.block_bytes = sum(int(np.prod(shapes[i.get_any_name()])) * i.get_element_type().size for i in caches)
+        self._caches = [(i.get_any_name(), i.get_element_type(), shapes[i.get_any_name()]) for i in caches]
+        self.blocks = 0  # until allocate()
         self.vocab = int(self.compiled.output(0).get_partial_shape()[-1].get_length())
         report("model ready", 1.0)
+
+    def allocate(self, blocks: int) -> None:
+        """The KV pool: `blocks` blocks in every layer's cache tensors (a page is resident
+        once written, so this is the pool's ceiling, not what it holds from the start)."""
+        import openvino as ov
+
+        self.blocks = max(1, int(blocks))
+        for name, kind, shape in self._caches:
+            self.request.set_tensor(name, ov.Tensor(kind, [self.blocks, *shape]))
 
     def run(self, work: Sequence[SeqWork]) -> np.ndarray:
         """One forward pass over every sequence's new ids; the logits rows each asked for,

@@ -21,7 +21,11 @@ them as cached_tokens).
 Speculative decoding (a request's `speculative` field, or the engine's default): a
 speculating request's part of the pass is [its last token, d1..dk] with the logits of
 every position; the rejected drafts are rolled back by shortening its KV (the next
-pass overwrites their slots), the same SpecSession as on the local engine.
+pass overwrites their slots), the same SpecSession as on the loop engine.
+
+The pool holds every running request at the full context (max_concurrent x context
+tokens), at most kv_budget_bytes (2 GiB); kept blocks of ended answers live in the
+room running requests leave, so caching adds nothing past that bound.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from engine.serve.interface import Engine, EngineError, EngineInfo
 
 log = logging.getLogger(__name__)
 
-KV_BUDGET_BYTES = 2 << 30  # ceiling of the KV pool (pages are resident only once written)
+KV_BUDGET_BYTES = 2 << 30  # the KV pool at most (its pages are resident once written)
 
 
 @dataclass
@@ -95,16 +99,20 @@ class PagedEngine(TurnEngine):
         from transformers import AutoTokenizer
 
         self.model_id, self.max_concurrent, self.prefill_chunk = model_id, max_concurrent, prefill_chunk
-        self.model = PagedModel(Path(model_path), device, precision, kv_budget_bytes, max_blocks, progress)
+        self.model = PagedModel(Path(model_path), device, precision, progress)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model.model_dir)
         except Exception as e:
             self.model.close()
             raise EngineError(f"cannot load the tokenizer of {model_path}: {e}") from e
+        # the pool: room for every request at the full context, at most kv_budget_bytes; one
+        # request must fit it whole, so the context is capped by it
+        context = engine_context(self.model.model_dir, context_length)
+        blocks = min(max_concurrent * -(-context // self.model.block_size),
+                     max(1, kv_budget_bytes // self.model.block_bytes), max_blocks or 1 << 40)
+        self.model.allocate(blocks)
         self.pool = BlockPool(self.model.blocks, self.model.block_size, keep=prompt_cache)
-        # one request must fit the pool whole: the context is capped by it
-        self.context_length = min(engine_context(self.model.model_dir, context_length),
-                                  self.model.blocks * self.model.block_size)
+        self.context_length = min(context, self.model.blocks * self.model.block_size)
         self.eos_ids = eos_token_ids(self.model.model_dir, self.tokenizer)
         from engine.runtime.speculative_local import LocalSpeculation
         from engine.speculative.config import SpecConfig

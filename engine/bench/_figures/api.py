@@ -54,6 +54,9 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
     Row("turn 2 cached over turn 1 (goal ≤ 0.3×); over turn 2 uncached",
         "{%s:turn2_over_turn1|x}; {%s:cached_over_uncached|x}" % (P, P), PHOW),
     Row("cached and uncached answers identical (greedy)", "{%s:goal.identical}" % P, PHOW),
+    Row("what the cache costs: KV its kept blocks held after turn 2 (first round) / the KV pool they live "
+        "in (the bound: every running request at the full context, at most 2 GiB)",
+        "{%s:rounds.0.kept_bytes_after_turn2|mib} / {%s:memory.kv_pool_bytes|mib}" % (P, P), PHOW),
     Row("2-stage pipeline: turn 2's `cached_tokens`", "{%s:turn2_cached_tokens|int}" % PP, PPHOW),
     Row("2-stage pipeline: time to first token, turn 1 / turn 2 cached / turn 2 uncached",
         "{%s:turn1_ttft_s|f2} s / {%s:turn2_ttft_s|f2} s / {%s:turn2_uncached_ttft_s|f2} s" % (PP, PP, PP), PPHOW),

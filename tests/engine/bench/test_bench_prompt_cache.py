@@ -24,6 +24,8 @@ def test_prompt_cache_bench_reports_consistent_figures(engine):
     for row in out["rounds"]:
         assert row["identical"] is True  # the cached answer is the uncached one
         assert row["uncached_cached_tokens"] == 0  # with the pool emptied nothing is reused
-        assert row["history_tokens"] <= row["turn2_cached_tokens"] < row["turn2_prompt_tokens"]
+        # the history at least, in whole KV blocks on the paged local engine
+        grain = out["memory"].get("grain_tokens", 1)
+        assert row["history_tokens"] - grain < row["turn2_cached_tokens"] < row["turn2_prompt_tokens"]
         assert row["turn2_over_turn1"] == round(row["turn2_ttft_s"] / row["turn1_ttft_s"], 4)
     assert out["goal"]["identical"] is True and out["passed"] == all(out["goal"].values())

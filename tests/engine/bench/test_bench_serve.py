@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-ENGINES = ["local", "batched", "llm-pipeline"]
+ENGINES = ["local", "loop", "batched", "llm-pipeline"]
 
 
 def test_serve_bench_runs_every_engine_at_every_concurrency(demo_dir, tmp_path):
@@ -33,7 +33,8 @@ def test_serve_bench_runs_every_engine_at_every_concurrency(demo_dir, tmp_path):
                 assert 0 < cell["ttft_p50_s"] <= cell["ttft_p95_s"] <= cell["wall_s"]
         # the JSON-schema bursts ran where response_format is enforced (the bench checks the
         # answers held to the schema), every answer to its length limit; nowhere else
-        assert [c["tokens"] for c in rd["local"]["constrained_levels"]] == [6, 18]
+        for kind in ("local", "loop"):
+            assert [c["tokens"] for c in rd[kind]["constrained_levels"]] == [6, 18]
         assert "constrained_levels" not in rd["batched"] and "constrained_levels" not in rd["llm-pipeline"]
     assert [row["concurrency"] for row in out["figures"]["local"]["constrained"]] == [1, 3]
     assert all(row["constrained_over_free"] > 0 for row in out["figures"]["local"]["constrained"])
