@@ -4,8 +4,10 @@ For each engine (--engines; default the local engine -- every request in one for
 pass over a paged KV cache --, the one-request-per-turn loop it replaced (`loop`), the
 batched engine -- openvino_genai's continuous batching -- and openvino_genai's
 LLMPipeline answering one request at a time, on the same IR at the same precision),
-one after the other in this process: open it, serve it with the
-OpenAI-compatible API on loopback, one warm-up answer, then for each concurrency c
+one after the other in this process: open it, serve it with the OpenAI-compatible
+API on loopback, warm it up with a burst of 4-token answers at every concurrency (a
+batching engine meets new input shapes at each, and the CPU plugin builds kernels for
+a shape on first use), then for each concurrency c
 (--concurrency, default 1,4,8,16) c streaming chat requests at once, each a
 different prompt (no engine can re-use another's prefix), greedy, exactly --tokens
 new tokens (ignore_eos). Per concurrency:
@@ -140,7 +142,9 @@ def _measure(kind: str, path: str, levels: list[int], tokens: int, r: int,
     try:
         with ApiServer(create_app(engine)) as server:
             url = server.url + "/v1/chat/completions"
-            aio.run(_burst(url, engine.info.model_id, 1, -1, 4))  # warm-up: compile and first inference
+            # warm-up: first inference, and the shapes of every concurrency (module doc)
+            for c in levels:
+                aio.run(_burst(url, engine.info.model_id, c, -1, 4))
             out = {"load_s": round(load_s, 2), "levels": []}
             for c in levels:
                 row = aio.run(_burst(url, engine.info.model_id, c, r, tokens))

@@ -138,11 +138,9 @@ class LocalSpeculation:
         return self.draft_model
 
     def wants(self, request: GenerateRequest) -> bool:
-        """Whether a request speculates: asked (or the default), and nothing in it needs each
-        token picked on its own -- a grammar's mask or a logprob with alternatives, which the
-        verify step does not apply (a speed setting: the answer is the same without it)."""
-        return (self.config.resolve(request.speculative).on and not request.constrained
-                and request.sampling.logprobs is None)
+        """Whether a request speculates: its own field, else the engine's default (a request
+        held to a grammar or asking logprobs says "off": GenerateRequest sees to that)."""
+        return self.config.resolve(request.speculative).on
 
     def new_stream(self, request: GenerateRequest) -> MaskedOVStream | None:
         """A masked stream when the request speculates, else None (the plain one is used)."""
