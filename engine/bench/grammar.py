@@ -155,9 +155,9 @@ def _versions() -> dict[str, str | None]:
 
 def _engine_overhead(rounds: int, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.protocol import ChatMessage, GenerateRequest, SamplingParams
-    from engine.serve.local import LocalEngine
+    from engine.serve.factory import EngineOptions, open_engine
 
-    eng = LocalEngine.from_spec("demo")
+    eng = open_engine("demo", "local", EngineOptions())
     ask = (ChatMessage("user", "Write sixty digits."),)
 
     def run(rid: str, **kw: Any) -> tuple[float, int]:

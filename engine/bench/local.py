@@ -105,16 +105,16 @@ def time_first_byte(cache: Path, model: str, timeout: float = 600.0) -> float:
 
 
 def engine_figures(cache: Path, model: str, tokens: int, repeats: int) -> dict[str, Any]:
-    """Decode tok/s and TTFT of greedy answers on a warm LocalEngine."""
+    """Decode tok/s and TTFT of greedy answers on the warm local engine (as `flotilla chat` opens it)."""
     from engine.models.ref import resolve_model
     from engine.protocol.messages import GenerateRequest, SamplingParams
-    from engine.serve.local import LocalEngine
+    from engine.serve.factory import open_whole_model
 
     old = os.environ.get("FLOTILLA_CACHE")
     os.environ["FLOTILLA_CACHE"] = str(cache)
     try:
         ref = resolve_model(model)
-        engine = LocalEngine(ref.path, model)
+        engine = open_whole_model(Path(ref.path), model)
     finally:
         if old is None:
             os.environ.pop("FLOTILLA_CACHE", None)

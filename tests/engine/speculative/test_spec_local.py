@@ -86,4 +86,3 @@ def test_sampled_tokens_follow_the_target_distribution(engines):
     table = table[:, table.sum(axis=0) >= 10]  # pool sparse cells away
     chi2, pval, _dof, _exp = stats.chi2_contingency(table)
     assert pval > 0.001, (chi2, pval, table)
-
