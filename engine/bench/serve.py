@@ -20,9 +20,11 @@ new tokens (ignore_eos). Per concurrency:
 
 Then, on every engine that enforces response_format, the same bursts again with a JSON
 schema (an array of 0..9 digits far longer than --tokens, so every answer still runs
-exactly --tokens tokens and ends on the length limit): constrained_over_free is its
-aggregate tok/s over the free bursts' (per round, same engine, same prompts, same
-lengths), constrained_extra_ms_per_token the extra wall time per token of one answer --
+exactly --tokens tokens and ends on the length limit) and prompts of their own (a free
+burst's prompt is in the engine's prompt cache by then; these carry another round
+number): constrained_over_free is its aggregate tok/s over the free bursts' (per round,
+same engine, prompts of about the same length, answers of the same length),
+constrained_extra_ms_per_token the extra wall time per token of one answer --
 the constrained-decoding overhead a user of the API sees, mask and grammar included.
 
 Rounds (--rounds) alternate the engines' order; figures are medians over rounds,
@@ -49,6 +51,7 @@ HELP = ("several users on one PC through the HTTP API: aggregate tok/s and TTFT 
 
 LLM_PIPELINE = "llm-pipeline"  # openvino_genai's LLMPipeline, one request at a time (engine/bench/_llm_pipeline.py)
 ENGINES = ("local", "loop", "batched", LLM_PIPELINE)
+CONSTRAINED_ROUND = 1000  # the JSON-schema bursts' prompts: "Request 1000-..." (never a free burst's)
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
           "minItems": 4096, "maxItems": 4096}  # never complete within --tokens: every answer ends on length
 
@@ -154,7 +157,8 @@ def _measure(kind: str, path: str, levels: list[int], tokens: int, r: int,
             if "response_format" not in engine.info.unsupported:
                 out["constrained_levels"] = []
                 for c in levels:
-                    row = aio.run(_burst(url, engine.info.model_id, c, r, tokens, DIGITS))
+                    # prompts of their own: the free bursts' prompts are in the engines' prompt caches
+                    row = aio.run(_burst(url, engine.info.model_id, c, CONSTRAINED_ROUND + r, tokens, DIGITS))
                     if not all(t.startswith("[") and set(t) <= set("[0123456789, \n") for t in row["texts"]):
                         raise RuntimeError(f"the {kind} engine's answers did not hold to the JSON schema")
                     out["constrained_levels"].append(row)
