@@ -32,7 +32,8 @@ GRAMMAR = Table("api-grammar", ("mask per token (compute + apply) and compile pe
     Row("first request on a vocabulary (the tokenizer view is built once per tokenizer)",
         "llguidance {%s:cells.stdlib_bpe.tool_arguments.llguidance.first_request_ms|f0} ms, xgrammar "
         "{%s:cells.stdlib_bpe.tool_arguments.xgrammar.first_request_ms|f0} ms on the stdlib BPE" % (G, G), HOW),
-    Row("local engine, `demo`, 60-digit JSON array vs a free answer of the same length",
+    Row("one-request-per-turn engine (`--engine loop`, the local engine when this was measured), `demo`, "
+        "60-digit JSON array vs a free answer of the same length",
         "{%s:engine.ms_per_token_ratio.median|f3}× the time per token "
         "({%s:engine.extra_ms_per_token.median|f3} ms more per token)" % (G, G),
         HOW + "; interleaved rounds, median over rounds and runs"),
