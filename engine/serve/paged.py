@@ -94,11 +94,11 @@ class PagedEngine(TurnEngine):
         super().__init__()
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be at least 1")
-        if prefill_chunk < max_concurrent + 1:
-            raise ValueError("prefill_chunk must exceed max_concurrent (each step decodes every request)")
         from transformers import AutoTokenizer
 
-        self.model_id, self.max_concurrent, self.prefill_chunk = model_id, max_concurrent, prefill_chunk
+        # a pass's token budget: every decoding request's token, and at least one prompt token
+        self.model_id, self.max_concurrent = model_id, max_concurrent
+        self.prefill_chunk = max(prefill_chunk, max_concurrent + 1)
         self.model = PagedModel(Path(model_path), device, precision, progress)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model.model_dir)
