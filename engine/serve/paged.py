@@ -45,11 +45,11 @@ from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, accept, finished, pick
-from engine.speculative.session import emit_tokens
 from engine.runtime.kv_blocks import BlockPool
 from engine.runtime.ov_paged import PagedModel, SeqWork
 from engine.serve.inbox import TurnEngine
-from engine.serve.interface import Engine, EngineError, EngineInfo
+from engine.serve.interface import EngineError, EngineInfo
+from engine.speculative.session import emit_tokens
 
 log = logging.getLogger(__name__)
 
