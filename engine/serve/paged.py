@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ class PagedSeq:
     todo: list[int]  # ids still to feed (the prompt's rest, the last picked token)
     cached: int = 0  # prompt ids taken over from an earlier answer's blocks
     admitted: int = 0  # admission order: the last admitted is preempted first
-    closed: bool = field(default=False)
+    closed: bool = False
 
     @property
     def past(self) -> int:
@@ -242,12 +242,12 @@ class PagedEngine(TurnEngine):
                     # logits when this drains it, unless the next token is already picked (a speculating
                     # request fed again after preemption: its next step is a verify step)
                     rows = int(len(ids) == len(seq.todo) and gen.pending is None)
-                elif gen.pending is not None and self.spec.session(gen) is not None:
-                    ids = self.spec.session(gen).draft()  # [pending, d1..dk]
+                elif gen.pending is not None and (session := self.spec.session(gen)) is not None:
+                    ids = session.draft()  # [pending, d1..dk]
                     rows = len(ids)
                 else:
                     continue
-                if not self._grow(seq, seq.past + len(ids), [g for g in active if id(g) not in planned]):
+                if not self._grow(seq, seq.past + len(ids), active, planned):
                     continue  # no blocks even after preempting: waits for a later turn
                 budget -= len(ids)
                 if gen.t_start is None:
@@ -256,17 +256,17 @@ class PagedEngine(TurnEngine):
                 batch.append((gen, SeqWork(ids, seq.past, list(seq.blocks), rows)))
         return batch
 
-    def _grow(self, seq: PagedSeq, positions: int, others: list[Generation]) -> bool:
+    def _grow(self, seq: PagedSeq, positions: int, active: list[Generation], planned: set[int]) -> bool:
         """Blocks for `positions` in seq; when the pool is dry, preempt requests admitted
-        after it (among `others`: not in this turn's pass)."""
+        after it that are not in this turn's pass (`planned`: their ids)."""
         need = self.pool.blocks_for(positions) - len(seq.blocks)
         while True:
             got = self.pool.allocate(need)
             if got is not None:
                 seq.blocks.extend(got)
                 return True
-            victims = [g.stream for g in others if g.stream is not seq and g.stream.blocks
-                       and g.stream.admitted > seq.admitted]
+            victims = [g.stream for g in active if id(g) not in planned and g.stream is not seq
+                       and g.stream.blocks and g.stream.admitted > seq.admitted]
             if not victims:
                 return False
             max(victims, key=lambda s: s.admitted).preempt()
