@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 # Light modules (no torch, no OpenVINO): safe to import eagerly for annotations.
-from engine.serve.interface import Engine, EngineError, EngineInfo
+from engine.core.interface import Engine, EngineError, EngineInfo
 
 __all__ = [
     "AgentHandle", "AgentState", "DownloadPaused", "Engine", "EngineError", "EngineInfo", "EngineKind",
@@ -87,7 +87,7 @@ class EngineKind:
 # yet are still listed, disabled, so the user sees what is coming.
 _KIND_MODULES = {
     "pipeline": ("engine.pipeline.runner", "Distributed pipeline"),
-    "local": ("engine.serve.paged", "Local dense"),
+    "local": ("engine.local.paged", "Local dense"),
     "moe": ("engine.moe.engine", "Local MoE offload"),
     "sparse": ("engine.sparse.engine", "Local sparse"),
 }
@@ -96,13 +96,13 @@ _KIND_MODULES = {
 def engine_kinds() -> list[EngineKind]:
     """Every engine kind the UI offers, with whether it can open now. Blocking
     (imports each engine's module, which may pull in torch)."""
-    from engine.serve.factory import ENGINE_KINDS
+    from engine.local.factory import ENGINE_KINDS
 
     out = []
     for name, (module, label) in _KIND_MODULES.items():
         desc = ENGINE_KINDS[name][1] if name in ENGINE_KINDS else ""
         if name not in ENGINE_KINDS:
-            out.append(EngineKind(name, label, desc, False, "not built yet (engine.serve.factory "
+            out.append(EngineKind(name, label, desc, False, "not built yet (engine.local.factory "
                                                             f"has no {name!r} engine)"))
             continue
         try:
@@ -186,7 +186,7 @@ def open_engine(spec: str = "demo", device: str = "CPU", progress: Progress | No
     """
     if kind == "local":
         from engine.models import resolve_model
-        from engine.serve.factory import open_whole_model  # lazy: pulls in torch/OpenVINO
+        from engine.local.factory import open_whole_model  # lazy: pulls in torch/OpenVINO
 
         kw: dict[str, Any] = {}
         if context_length:
@@ -198,7 +198,7 @@ def open_engine(spec: str = "demo", device: str = "CPU", progress: Progress | No
             kw["speculative"] = spec_cfg
         resolved = resolve_model(spec, progress)
         return open_whole_model(Path(resolved.path), resolved.model_id, progress, device=device, **kw)
-    from engine.serve.factory import EngineOptions, open_engine as factory_open
+    from engine.local.factory import EngineOptions, open_engine as factory_open
 
     return factory_open(spec, kind, EngineOptions(device=device, cache_budget_bytes=cache_budget_bytes),
                         progress)
@@ -607,7 +607,7 @@ def controller_name() -> str:
 
 
 def _controller_keys() -> Any:
-    from engine.fleet.security import KeyPair
+    from engine.transport.security import KeyPair
 
     return KeyPair.load_or_create(config_dir())  # the same node key launch.controller_keys() uses
 
@@ -615,7 +615,7 @@ def _controller_keys() -> Any:
 def pairing_code_for(card: PeerCard) -> str:
     """The 6 digits this app shows for pairing with card's agent (computed here,
     from both public keys, never taken from the agent). Reads our key: blocking."""
-    from engine.fleet.security import pairing_code
+    from engine.transport.security import pairing_code
 
     return pairing_code(card.public_key, _controller_keys().public)
 
@@ -800,7 +800,7 @@ def pair_peer(card: PeerCard, progress: Progress | None = None, cancel: threadin
 
     from engine import aio
     from engine.fleet.client import FleetError, async_pair
-    from engine.fleet.security import KNOWN_AGENTS_FILE, KeyBook, pairing_code
+    from engine.transport.security import KNOWN_AGENTS_FILE, KeyBook, pairing_code
 
     peer = card.handle
     if peer is None or not card.public_key:
@@ -1065,7 +1065,7 @@ class AgentHandle:
 
     # -- reading ------------------------------------------------------------------
     def state(self, timeout: float = 1.0) -> AgentState:
-        from engine.fleet.security import PairingBook, fingerprint
+        from engine.transport.security import PairingBook, fingerprint
 
         info, running = self._info(timeout), False
         running = info is not None
@@ -1146,7 +1146,7 @@ class AgentHandle:
     # -- pairing ------------------------------------------------------------------
     def accept(self, code: str) -> str:
         """Allow the pending controller showing `code`; its name. EngineError if none does."""
-        from engine.fleet.security import PairingBook
+        from engine.transport.security import PairingBook
 
         try:
             return PairingBook(self.config).accept(code)
@@ -1156,7 +1156,7 @@ class AgentHandle:
     def deny(self, code: str) -> None:
         """Refuse a pending request: it is not paired (nothing to undo) and the
         tray stops showing it; it expires on the agent after 10 minutes."""
-        from engine.fleet.security import PENDING_TTL_S, PairingBook
+        from engine.transport.security import PENDING_TTL_S, PairingBook
 
         tray = self._tray()
         now = time.time()
@@ -1169,7 +1169,7 @@ class AgentHandle:
 
     def revoke(self, fingerprint_or_name: str) -> list[str]:
         """Forget a paired controller (new and open connections are refused from now on)."""
-        from engine.fleet.security import PairingBook
+        from engine.transport.security import PairingBook
 
         return PairingBook(self.config).allowed.revoke(fingerprint_or_name)
 

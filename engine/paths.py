@@ -40,10 +40,12 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 APP = "flotilla"
 SETTINGS, KEYS, HISTORY, DATA = "settings", "keys", "history", "data"
@@ -56,7 +58,7 @@ SQLITE_SIDE = ("-wal", "-shm", "-journal")  # SQLite's files beside a database, 
 LEGACY_NAMES: dict[str, str] = {
     "app_settings.json": SETTINGS,  # app/settings.py FILE
     "models.json": SETTINGS,  # engine/models/catalog.py MODELS_FILE
-    "node_key.secret": KEYS,  # engine/fleet/security.py SECRET_FILE
+    "node_key.secret": KEYS,  # engine/transport/security.py SECRET_FILE
     "node_key.public": KEYS,  # PUBLIC_FILE
     "paired_controllers.json": KEYS,  # ALLOW_FILE
     "pairing_requests.json": KEYS,  # PENDING_FILE
@@ -283,3 +285,37 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def write_private(path: Path, data: bytes | str) -> None:
+    """Atomically replace path with data, mode 0600 from the first byte on
+    (a temp file created 0600, then renamed): a crash leaves the old file or
+    the new one, never half of one, and the secret is never world-readable."""
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600) if hasattr(os, "fchmod") else None
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_json(path: Path, default: Any) -> Any:
+    """The JSON in path, or default if it is missing or unreadable (a corrupt
+    settings file must not keep the agent from starting; it is rewritten)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_private(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -2,7 +2,7 @@
 
 Two identical 2-stage rings of the benchmark model run side by side, stage i
 of both pinned to the same core: one plaintext, one with CURVE on every data
-socket (engine/fleet/curve_data.py: throw-away keys, ZAP allow-lists, the
+socket (engine/transport/curve_data.py: throw-away keys, ZAP allow-lists, the
 same code path a fleet uses). Runs alternate between them (who goes first
 rotates), N greedy streams each, and the medians are compared:
 
@@ -96,8 +96,8 @@ def hop_cost_us(hidden: int, rounds: int = 2000) -> dict[str, float]:
     import numpy as np
     import zmq
 
-    from engine.fleet.curve_data import CurveEnd
-    from engine.fleet.security import KeyPair
+    from engine.transport.curve_data import CurveEnd
+    from engine.transport.security import KeyPair
     from engine.protocol import encode_frames
     from engine.protocol.pipeline import StageStep
 
@@ -140,7 +140,7 @@ class _Ring:
 
     def __init__(self, model_path: Path, model_id: str, shards: list[str], ranges: list, cores: list[int],
                  threads: int, curve: bool, blobs: str | None, log_dir: Path) -> None:
-        from engine.fleet.curve_data import LocalRingKeys
+        from engine.transport.curve_data import LocalRingKeys
         from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink
 
         log_dir.mkdir(parents=True, exist_ok=True)

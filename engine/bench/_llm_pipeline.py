@@ -24,12 +24,12 @@ from engine.runtime.backend import Progress
 from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.generation import Generation, accept, finished
-from engine.serve.batched import UNSUPPORTED as BATCHED_UNSUPPORTED
-from engine.serve.batched import generation_config
-from engine.serve.batched_worker import generation_config as genai_config
+from engine.local.batched import UNSUPPORTED as BATCHED_UNSUPPORTED
+from engine.local.batched import generation_config
+from engine.local.batched_worker import generation_config as genai_config
 from engine.serve.fields import engine_refusal
-from engine.serve.inbox import InboxEngine, refuse_waiting
-from engine.serve.interface import EngineError, EngineInfo
+from engine.scheduler.inbox import InboxEngine, refuse_waiting
+from engine.core.interface import EngineError, EngineInfo
 from engine.models.profile import engine_context
 
 log = logging.getLogger(__name__)

@@ -77,7 +77,7 @@ class OursRunner:
     name = "ours"
 
     def __init__(self, ir: Path) -> None:
-        from engine.serve.factory import open_whole_model
+        from engine.local.factory import open_whole_model
 
         self.engine = open_whole_model(ir, "bench")
 

@@ -155,7 +155,7 @@ def _versions() -> dict[str, str | None]:
 
 def _engine_overhead(rounds: int, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.protocol import ChatMessage, GenerateRequest, SamplingParams
-    from engine.serve.factory import EngineOptions, open_engine
+    from engine.local.factory import EngineOptions, open_engine
 
     eng = open_engine("demo", "local", EngineOptions())
     ask = (ChatMessage("user", "Write sixty digits."),)

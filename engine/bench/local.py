@@ -108,7 +108,7 @@ def engine_figures(cache: Path, model: str, tokens: int, repeats: int) -> dict[s
     """Decode tok/s and TTFT of greedy answers on the warm local engine (as `flotilla chat` opens it)."""
     from engine.models.ref import resolve_model
     from engine.protocol.messages import GenerateRequest, SamplingParams
-    from engine.serve.factory import open_whole_model
+    from engine.local.factory import open_whole_model
 
     old = os.environ.get("FLOTILLA_CACHE")
     os.environ["FLOTILLA_CACHE"] = str(cache)

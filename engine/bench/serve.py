@@ -129,7 +129,7 @@ async def _burst(url: str, model: str, c: int, r: int, tokens: int,
 def _measure(kind: str, path: str, levels: list[int], tokens: int, r: int,
              report: Callable[[str], None]) -> dict[str, Any]:
     from engine.serve.api import ApiServer, create_app
-    from engine.serve.factory import EngineOptions, open_engine
+    from engine.local.factory import EngineOptions, open_engine
 
     t = time.perf_counter()
     options = EngineOptions(extra={"max_concurrent": max(levels)})

@@ -83,7 +83,7 @@ def rollback_figures(path: Path, layers: int, contexts: list[int], threads: int,
 
     from engine.pipeline.export import ensure_shard
     from engine.pipeline.shard_runtime import ShardRunner
-    from engine.speculative.kv import VisibleMask, state_bytes, trim_state
+    from engine.runtime.kv_state import VisibleMask, state_bytes, trim_state
 
     info = ensure_shard(path, 0, layers, num_layers_total=layers)
     runner = ShardRunner(info, config={"INFERENCE_NUM_THREADS": threads} if threads else None)

@@ -168,7 +168,7 @@ def _agent_argv(args: argparse.Namespace) -> list[str]:
 
 def cmd_pair(args: argparse.Namespace) -> int:
     from engine.fleet.paths import config_dir
-    from engine.fleet.security import PairingBook, fingerprint
+    from engine.transport.security import PairingBook, fingerprint
 
     book = PairingBook(config_dir())
     if args.accept:

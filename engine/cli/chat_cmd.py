@@ -49,7 +49,7 @@ def speculative_from_args(args: argparse.Namespace):
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    from engine.serve.factory import ENGINE_KINDS
+    from engine.local.factory import ENGINE_KINDS
 
     p.add_argument("--model", "-m", default="demo",
                    help="demo id, local HF folder, OpenVINO IR folder or hub id (default: demo)")
@@ -97,7 +97,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def open_engine_from_args(args: argparse.Namespace):
     from engine.cli.errors import UserError
-    from engine.serve.factory import EngineOptions, open_engine
+    from engine.local.factory import EngineOptions, open_engine
 
     spec = speculative_from_args(args)
     weights = getattr(args, "weights", "auto")
@@ -151,7 +151,7 @@ def _open_local_at(model: str, weights: str, options, progress):
     from engine.models import resolve_model
     from engine.runtime.errors import BackendError
     from engine.runtime.ov_backend import ensure_ir
-    from engine.serve.factory import open_whole_model
+    from engine.local.factory import open_whole_model
 
     resolved = resolve_model(model, progress)
     try:
@@ -241,7 +241,7 @@ def _answer(engine, history: list[ChatMessage], prompt: str, sampling: SamplingP
     sys.stdout.flush()
     if final is not None and final.finish_reason == "error":
         history.pop()
-        from engine.serve.interface import EngineError
+        from engine.core.interface import EngineError
 
         raise EngineError(final.error or "generation failed")
     history.append(ChatMessage("assistant", "".join(pieces)))

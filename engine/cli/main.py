@@ -75,7 +75,7 @@ def open_app(argv: list[str]) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from engine.models.errors import ModelError
     from engine.protocol.errors import ProtocolError
-    from engine.serve.interface import EngineError
+    from engine.core.interface import EngineError
 
     return (UserError, ModelError, ProtocolError, EngineError)
 

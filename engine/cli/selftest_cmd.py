@@ -246,7 +246,7 @@ class _Selftest:
         from engine import aio
         from engine.fleet.client import async_pair
         from engine.fleet.launch import controller_keys
-        from engine.fleet.security import pairing_code
+        from engine.transport.security import pairing_code
 
         self.keys = controller_keys(self.root / "controller")
         codes = []
@@ -350,7 +350,7 @@ class _Selftest:
         return [r.pid for r in left]
 
     def local_chat(self, kind: str, model: str, budget: int) -> str:
-        from engine.serve.factory import EngineOptions, open_engine
+        from engine.local.factory import EngineOptions, open_engine
 
         engine = open_engine(model, kind=kind, options=EngineOptions(cache_budget_bytes=budget))
         try:

@@ -43,7 +43,7 @@ from engine.fleet.identity import NodeIdentity
 from engine.fleet.mdns import DEFAULT_TTL_S, MdnsAdvertiser, open_zeroconf
 from engine.fleet.paths import config_dir, data_dir, ensure_private_dir
 from engine.fleet.policy import GB, MachineProbe, MachineState, SharingPolicy, check_start, evaluate
-from engine.fleet.security import (CONTROL_DOMAIN, PAIR_DOMAIN, FleetAuthenticator, PairingBook,
+from engine.transport.security import (CONTROL_DOMAIN, PAIR_DOMAIN, FleetAuthenticator, PairingBook,
                                    curve_server)
 from engine.fleet.shards import NoRoom, ShardStore
 from engine.fleet.workers import (STOP_GRACE_S, LaunchOptions, Worker, WorkerSupervisor,
@@ -334,8 +334,8 @@ class Agent:
 
     def _curve_file(self, sha: str, ring_keys: tuple[str, ...]) -> Path:
         """The worker's CURVE setup (0600): our node key, paired controllers, the ring's agents."""
-        from engine.fleet.curve_data import write_curve_file
-        from engine.fleet.security import ALLOW_FILE, SECRET_FILE
+        from engine.transport.curve_data import write_curve_file
+        from engine.transport.security import ALLOW_FILE, SECRET_FILE
 
         run = ensure_private_dir(self.cfg.data / "run")
         return write_curve_file(run / f"worker-{sha[:12]}.curve.json", self.cfg.config / SECRET_FILE,

@@ -28,7 +28,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from engine.fleet.bundle_view import BundleView
-from engine.fleet.security import KeyPair, curve_client, pairing_code
+from engine.transport.security import KeyPair, curve_client, pairing_code
 from engine.protocol.codec import decode, encode
 from engine.protocol.control import (AgentEvent, ChunkReply, ChunkRequest, LoadReply, LoadRequest,
                                      PairReply, PairRequest, PrepareReply, PrepareRequest,

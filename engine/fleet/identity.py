@@ -36,7 +36,7 @@ from pathlib import Path
 
 from engine.fleet import addresses
 from engine.fleet.paths import read_json, write_json
-from engine.fleet.security import KeyPair
+from engine.transport.security import KeyPair
 from engine.platform import LINUX, system
 from engine.platform.machine_id import machine_id
 

@@ -84,10 +84,10 @@ from engine.aio import LoopThread
 from engine.platform import process
 from engine.fleet.bundle_view import BundleView
 from engine.fleet.client import AgentClient, AgentRefused, FleetError, NotPaired, async_pair
-from engine.fleet.curve_data import CurveEnd
+from engine.transport.curve_data import CurveEnd
 from engine.fleet.discovery import Combined, Discovery, ManualPeers, Peer
 from engine.fleet.refusal import StageRefusal, StageRefused
-from engine.fleet.security import KeyPair
+from engine.transport.security import KeyPair
 from engine.pipeline import plan_weights
 from engine.pipeline.plan import (DEFAULT_PREFERENCE, DEVICE_KINDS, LOOPBACK_LINK, DeviceProfile, PeerProfile,
                                   Plan, PlanError, PlanModel, PlanRequest, auto_plan)
@@ -250,7 +250,7 @@ async def async_pair_all(keys: KeyPair, peers: Sequence[Peer], name: str, *, wai
                          on_code: Callable[[Peer, str], None] | None = None) -> dict[str, str]:
     """Ask every peer to pair; node_id -> state ("accepted" / "pending").
     on_code(peer, code) shows the code the owner must see on the agent."""
-    from engine.fleet.security import pairing_code
+    from engine.transport.security import pairing_code
 
     async def one(peer: Peer) -> str:
         if on_code:
@@ -801,7 +801,7 @@ class FleetRingProvider:
 
     def _start_local(self, old: _Stage) -> _Stage:
         """A shard worker on this PC, started the way the local runner starts them."""
-        from engine.fleet.curve_data import write_curve_file
+        from engine.transport.curve_data import write_curve_file
         from engine.fleet.paths import ensure_private_dir, write_private
         from engine.models.demo import cache_root
         from engine.pipeline.coordinator import StageLink

@@ -5,7 +5,7 @@ The command is a template (a list of strings) with these placeholders:
   {sha256} the shard's hash   {device} OpenVINO device   {port} data-plane port (0 = any)
   {bind}   the data-plane endpoint to bind, tcp://HOST:PORT (PORT * when port is 0)
   {cache}  compiled-blob cache folder   {parent} the agent's pid (workers exit with it)
-  {curve}  the worker's CURVE setup file (engine/fleet/curve_data.py)
+  {curve}  the worker's CURVE setup file (engine/transport/curve_data.py)
   {exact}  "--exact" for f32 inference, else the argument is dropped
 The agent's default is pipeline_worker_command(), the real pipeline worker
 (engine/pipeline/worker.py); `flotilla agent --worker-cmd` and

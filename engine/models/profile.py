@@ -40,7 +40,7 @@ PROFILE_VERSION = 2  # 2: dtype label and parameter counts (ParamCounts)
 # chat user picks (a few pages of conversation), clipped to the model's own
 # maximum by default_context(); never the 128k maximum of a Llama 3.1, whose
 # KV alone (16 GB at f16 for 8B) would not fit the PCs this runs on. Also the
-# max_context of a config that names none. engine/serve/local.py should use it.
+# max_context of a config that names none. engine/scheduler/loop.py should use it.
 DEFAULT_CONTEXT = 4096
 
 # `model.layers.3.` (Llama family), `transformer.h.3.` (GPT-2), `...blocks.3.`.

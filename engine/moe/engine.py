@@ -36,8 +36,8 @@ from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, decode_one, finished
-from engine.serve.interface import EngineError, EngineInfo
-from engine.serve.inbox import InboxEngine, refuse_waiting
+from engine.core.interface import EngineError, EngineInfo
+from engine.scheduler.inbox import InboxEngine, refuse_waiting
 from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)

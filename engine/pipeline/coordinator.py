@@ -62,8 +62,8 @@ from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import error_code_of
 from engine.pipeline.prompt_cache import Parked, ParkedStreams
 from engine.runtime.generation import Generation, accept, finished, pick
-from engine.serve.inbox import InboxEngine
-from engine.serve.interface import EngineError, EngineInfo
+from engine.scheduler.inbox import InboxEngine
+from engine.core.interface import EngineError, EngineInfo
 from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class PipelineConfig:
     ping_timeout_s: float = 2.5
     liveness_interval_s: float = 0.2  # how often local stage processes are polled for exit
     device: str = "CPU"  # shown in EngineInfo
-    # CURVE on every data socket: an engine.fleet.curve_data.CurveEnd (the coordinator's keys);
+    # CURVE on every data socket: an engine.transport.curve_data.CurveEnd (the coordinator's keys);
     # each StageLink then needs its server_key. None = plaintext (the local runner, when asked).
     curve: Any = None
 

@@ -368,7 +368,7 @@ class RingRecovery:
                     pass
             s.close(linger=100)
         me = b"coord-" + uuid.uuid4().hex[:12].encode()
-        curve = getattr(e.config, "curve", None)  # CURVE on the data plane (engine/fleet/curve_data.py)
+        curve = getattr(e.config, "curve", None)  # CURVE on the data plane (engine/transport/curve_data.py)
         zap = getattr(e, "_zap", None)
         ctl = []
         for link in links:

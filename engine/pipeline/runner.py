@@ -19,7 +19,7 @@ Steps, each of which can fail with a clear message before the next starts:
    the terminal reaches only us), watching our pid so it exits if we die.
 4. wire: PipelineEngine tells each stage its next hop and waits until all
    answer (shards compiled). Every data socket is CURVE-encrypted with
-   throw-away keys (engine/fleet/curve_data.py), as on a real fleet, unless
+   throw-away keys (engine/transport/curve_data.py), as on a real fleet, unless
    FleetConfig.curve is False (`flotilla pipeline --plaintext`).
 stop() (also on close, at exit and on any launch error) asks each stage to stop
 (engine/platform/process.py: SIGTERM to its group, CTRL_BREAK on Windows), then
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from engine.platform import process
 from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink, describe_exit, log_tail
-from engine.serve.interface import EngineError
+from engine.core.interface import EngineError
 from engine.pipeline import plan_weights
 from engine.pipeline.plan import DEVICE_KINDS, DeviceProfile, PeerProfile, Plan, PlanError, PlanModel, PlanRequest
 
@@ -158,7 +158,7 @@ class LocalFleet:
         self.procs: list[subprocess.Popen] = []
         self.links: list[StageLink] = []
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="flotilla-pipeline-"))
-        self.ring_keys: Any = None  # engine.fleet.curve_data.LocalRingKeys when cfg.curve
+        self.ring_keys: Any = None  # engine.transport.curve_data.LocalRingKeys when cfg.curve
         self.on_stage: StageProgress = lambda _i, _phase, _f: None  # launch_pipeline(on_stage=...)
         self._stopped = False
         self._lock = threading.Lock()  # stop() may run on another thread (a cancel) while launch() starts
@@ -198,7 +198,7 @@ class LocalFleet:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         blobs = cache_root() / "ov-blobs"
         if self.cfg.curve:
-            from engine.fleet.curve_data import LocalRingKeys
+            from engine.transport.curve_data import LocalRingKeys
 
             self.ring_keys = LocalRingKeys(len(infos))
         for i, info in enumerate(infos):
@@ -366,7 +366,7 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
 
 
 def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = None) -> PipelineEngine:
-    """engine.serve.factory opener: options.extra may carry stages, split, threads, max_concurrent,
+    """engine.local.factory opener: options.extra may carry stages, split, threads, max_concurrent,
     context_length, speculative (a SpecConfig)."""
     extra = dict(getattr(options, "extra", {}) or {})
     split = extra.get("split")

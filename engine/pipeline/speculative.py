@@ -35,7 +35,7 @@ from engine.protocol.pipeline import StageResult, StageStep
 from engine.runtime.generation import Generation
 from engine.speculative.config import SpecConfig, known_draft
 from engine.speculative.drafts import DraftModel, LookupDraft
-from engine.speculative.kv import VisibleMask
+from engine.runtime.kv_state import VisibleMask
 from engine.speculative.session import SpecSession
 
 log = logging.getLogger(__name__)

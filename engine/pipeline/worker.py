@@ -13,7 +13,7 @@ and serves the ring (engine/protocol/pipeline.py has the picture):
   StageResult with the next token id, plus the last position's logits row
   only when the request samples. Speculative steps (want_all) get the argmax
   of every position and, when sampling, every logits row.
-- Mask-based rollback (engine/speculative/kv.py): each stream keeps a
+- Mask-based rollback (engine/runtime/kv_state.py): each stream keeps a
   visibility bit per physical KV position. A step's `hide` ranges are hidden
   (attention_mask 0), `compact` drops the hidden positions physically, and
   position_ids follow the logical length, which must equal the step's
@@ -92,7 +92,7 @@ class WorkerConfig:
     name: str = ""  # how errors name this stage until a StageConfigure names it
     parent_pid: int | None = None  # exit when this process is gone (no orphans)
     max_chunk: int = 8192  # tokens per step at most
-    curve: Path | None = None  # CURVE setup file (engine/fleet/curve_data.py); None = plaintext data plane
+    curve: Path | None = None  # CURVE setup file (engine/transport/curve_data.py); None = plaintext data plane
     next_key: str = ""  # CURVE public key of --next (with curve)
 
 
@@ -101,7 +101,7 @@ class _Stream:
     stream: Any  # ShardStream: this stream's InferRequest and KV state
     past: int = 0  # tokens physically in its KV state (visible or hidden)
     seq: int = 0  # the next step number expected
-    mask: Any = None  # engine.speculative.kv.VisibleMask: which of them are visible
+    mask: Any = None  # engine.runtime.kv_state.VisibleMask: which of them are visible
 
 
 @dataclass
@@ -124,7 +124,7 @@ class ShardWorker:
         self.out: zmq.Socket | None = None
         self.out_endpoint: str | None = None
         self.out_key = ""  # CURVE server key of out_endpoint
-        self.curve: Any = None  # engine.fleet.curve_data.CurveEnd when the data plane is encrypted
+        self.curve: Any = None  # engine.transport.curve_data.CurveEnd when the data plane is encrypted
         self._zap: Any = None  # its ZAP handler (admits the coordinator and the previous stage)
         self.endpoint = ""
         self.name = cfg.name
@@ -141,7 +141,7 @@ class ShardWorker:
     def bind(self) -> str:
         """Bind the inbox; returns the actual endpoint (a * port resolved)."""
         if self.cfg.curve is not None:
-            from engine.fleet.curve_data import CurveEnd
+            from engine.transport.curve_data import CurveEnd
 
             self.curve = CurveEnd.load(self.cfg.curve)
             self._zap = self.curve.serve(self.ctx, self.inbox)
@@ -317,7 +317,7 @@ class ShardWorker:
         if step.hide:
             st.mask.hide_ranges(step.hide)
         if step.compact and st.mask.hidden:
-            from engine.speculative.kv import compact_state
+            from engine.runtime.kv_state import compact_state
 
             compact_state(st.stream.request, st.mask.keep_index())  # every state: [1, kv, visible, d]
             st.mask.compacted()
@@ -332,7 +332,7 @@ class ShardWorker:
         st = self.streams.get(sid)
         if step.reset:
             if st is None:
-                from engine.speculative.kv import VisibleMask
+                from engine.runtime.kv_state import VisibleMask
 
                 stream = self.pool.pop() if self.pool else self.runner.new_stream()
                 st = self.streams[sid] = _Stream(stream, mask=VisibleMask())

@@ -259,7 +259,7 @@ def _keep_prefix(req: Any, reuse: int, held: int) -> int:
         return 0
     if reuse < held:
         try:
-            from engine.speculative.kv import trim_state
+            from engine.runtime.kv_state import trim_state
 
             trim_state(req, reuse)  # [batch, kv_heads, T, head_dim] -> first `reuse` positions
         except Exception:  # e.g. a bf16 state numpy cannot hold: no reuse, still correct

@@ -26,7 +26,7 @@ Every error is OpenAI's JSON `{"error": {"message", "type", "param", "code"}}`:
 400 malformed JSON / invalid values, 401 missing or wrong API key (when one is
 configured; a server bound beyond loopback always has one unless the user chose
 --no-auth: engine/serve/auth.py), 404 unknown model or URL, 405 wrong method, 429 the engine's queue
-is full (with Retry-After: engine/serve/backpressure.py), 503 engine refused
+is full (with Retry-After: engine/core/backpressure.py), 503 engine refused
 (closed, broken), 500 anything else (no traceback in the body).
 """
 
@@ -67,6 +67,7 @@ from engine.protocol.messages import (
 )
 from engine.runtime import tool_format
 from engine.runtime.constraint import check_grammar, grammar_for
+from engine.core.refusal import engine_refusal
 from engine.serve import fields
 from engine.serve.tool_calls import (
     ChatShaper,
@@ -78,9 +79,9 @@ from engine.serve.tool_calls import (
     message_calls,
     structure,
 )
-from engine.serve.backpressure import retry_after_header
+from engine.core.backpressure import retry_after_header
 from engine.serve.logprobs import ChatLogprobs, CompletionLogprobs, chat_logprobs, completion_logprobs
-from engine.serve.interface import Engine, EngineError, EngineOverloaded
+from engine.core.interface import Engine, EngineError, EngineOverloaded
 
 log = logging.getLogger(__name__)
 
@@ -571,7 +572,7 @@ async def _generate(body: _Sampling, request: Request, engine: Engine, chat: boo
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     _refuse_unsupported(body)
     req = _build(rid, body)
-    refused = fields.engine_refusal(req, engine.info.unsupported, chat)
+    refused = engine_refusal(req, engine.info.unsupported, chat)
     if refused is not None:
         raise ApiError(400, f"'{refused.param}' is not supported by this model's engine "
                             f"({engine.info.engine}); serve it with --engine local for that",

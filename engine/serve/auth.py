@@ -7,7 +7,7 @@ requires `Authorization: Bearer KEY`, with KEY
 
   1. the one given (`--api-key`, $FLOTILLA_API_KEY), else
   2. the one stored in the keys folder (KEY_FILE, owner-only: written 0600 from its first
-     byte by engine.fleet.paths.write_private; on Windows the folder under %LOCALAPPDATA%
+     byte by engine.paths.write_private; on Windows the folder under %LOCALAPPDATA%
      is the user's own by its ACL), generated there on first use and kept, so the apps a
      user configured once keep working across restarts,
 
@@ -49,7 +49,7 @@ def is_loopback(host: str) -> bool:
 
 def stored_key(folder: Path) -> tuple[str, bool]:
     """(the key kept in folder/KEY_FILE, whether it was generated now)."""
-    from engine.fleet.paths import ensure_private_dir, write_private
+    from engine.paths import ensure_private_dir, write_private
 
     path = Path(folder) / KEY_FILE
     try:

@@ -1,7 +1,7 @@
 """SparseEngine: the Engine interface over the sparse model.
 
 The scheduler, chat templating, sampling, detokenizing and stop strings are
-LocalEngine's (engine/serve/local.py); only the backend differs: a
+LocalEngine's (engine/scheduler/loop.py); only the backend differs: a
 SparseBackend whose streams run transformers' decoder with SparseMLPs (the
 torch backend's stream class, reused). Requests run one at a time by
 default: the neuron cache and the previous-token sets are shared, and
@@ -23,8 +23,8 @@ import torch
 from engine.runtime.backend import Progress
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.torch_backend import TorchStream
-from engine.serve.interface import Engine, EngineError, EngineInfo
-from engine.serve.local import LocalEngine
+from engine.core.interface import Engine, EngineError, EngineInfo
+from engine.scheduler.loop import LocalEngine
 
 from engine.models.profile import DEFAULT_CONTEXT, engine_context  # KV bounded per request: one default
 from engine.sparse.cache import BudgetError

@@ -52,7 +52,7 @@ import numpy as np
 import xxhash
 
 from engine.models.errors import ModelError
-from engine.moe.store import DirectIOReport, open_for_reads  # the one unbuffered probe (tmpfs, EINVAL, flag check)
+from engine.platform.direct_io import DirectIOReport, open_for_reads  # the one unbuffered probe (tmpfs, EINVAL, flag check)
 from engine.platform import pread
 from engine.sparse import aio
 from engine.sparse.weights import FFNLayout, MappedWeights

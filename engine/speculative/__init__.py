@@ -7,6 +7,6 @@
     drafts.py   draft sources: a small draft model (OpenVINO), prompt lookup
     session.py  one request's speculation: draft, verify, accept tokens
 
-Engines plug it in with a narrow hook: engine/runtime/speculative_local.py
+Engines plug it in with a narrow hook: engine/speculative/local.py
 (LocalEngine) and engine/pipeline/speculative.py (the pipeline coordinator).
 """

@@ -26,7 +26,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from engine.runtime.sampling import SamplerConfig, process_logits, softmax
-from engine.speculative.kv import VisibleMask, compact_state
+from engine.runtime.kv_state import VisibleMask, compact_state
 from engine.speculative.verify import draw_from
 
 

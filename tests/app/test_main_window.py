@@ -365,7 +365,7 @@ def test_the_banner_takes_its_category_from_the_error_code(panel) -> None:
 
 
 def test_fleet_discovers_an_agent_and_pairs_with_the_code(win: MainWindow, agent, qtbot) -> None:
-    from engine.fleet.security import pairing_code
+    from engine.transport.security import pairing_code
 
     win.show_view("fleet")
     fleet = win.fleet

@@ -81,7 +81,7 @@ def test_share_now_and_pause(agent, tray, qtbot) -> None:
 
 def test_pairing_request_shows_the_code_and_accept_pairs(agent, tray, qtbot) -> None:
     from engine.fleet.client import async_pair
-    from engine.fleet.security import KeyPair, pairing_code
+    from engine.transport.security import KeyPair, pairing_code
 
     keys = KeyPair.generate()
     code = pairing_code(agent.public_key, keys.public)
@@ -100,7 +100,7 @@ def test_pairing_request_shows_the_code_and_accept_pairs(agent, tray, qtbot) -> 
 
 def test_deny_hides_a_request(agent, tray, qtbot) -> None:
     from engine.fleet.client import async_pair
-    from engine.fleet.security import KeyPair, pairing_code
+    from engine.transport.security import KeyPair, pairing_code
 
     keys = KeyPair.generate()
     code = pairing_code(agent.public_key, keys.public)

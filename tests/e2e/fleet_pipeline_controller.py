@@ -32,7 +32,7 @@ async def probe_worker(endpoint: str, server_key: str) -> dict:
     import zmq.asyncio
 
     from engine.fleet.client import FleetError, NotPaired, _handshake
-    from engine.fleet.security import KeyPair, curve_client
+    from engine.transport.security import KeyPair, curve_client
     from engine.protocol import encode_frames
     from engine.protocol.pipeline import StagePing
 

@@ -109,7 +109,7 @@ def controller(argv: list[str]) -> int:
     from engine import aio
     from engine.fleet.client import AgentClient, NotPaired
     from engine.fleet.mdns import MdnsDiscovery
-    from engine.fleet.security import KeyPair
+    from engine.transport.security import KeyPair
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--interface", required=True)

@@ -25,3 +25,17 @@ def demo_dir(flotilla_cache):
     from engine.models.demo import ensure_demo
 
     return ensure_demo
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    """The real local engine (what `--engine local`, the default, opens: the paged engine) on
+    the `demo` model, OpenVINO in f32 (greedy answers are then reproducible and equal
+    transformers'), one per test module."""
+    from engine.local.factory import EngineOptions, open_engine
+
+    eng = open_engine("demo", "local", EngineOptions(precision="f32"))
+    try:
+        yield eng
+    finally:
+        eng.close()

@@ -256,7 +256,7 @@ def test_legacy_names_are_the_files_the_code_writes():
     from app.settings import FILE as APP_SETTINGS
     from app.store import DB_NAME
     from engine.client import TRAY_FILE
-    from engine.fleet import security
+    from engine.transport import security
     from engine.fleet.discovery import MANUAL_FILE
     from engine.fleet.identity import IDENTITY_FILE
     from engine.fleet.policy import POLICY_FILE

@@ -27,8 +27,9 @@ pytest.importorskip("transformers")
 
 from engine.bench import moe  # noqa: E402
 from engine.cli.bench_cmd import scenarios  # noqa: E402
-from engine.moe import store as store_mod  # noqa: E402
-from engine.moe.store import IO_MODES, ExpertStore, StoreConfig, aligned_buffer, fs_type  # noqa: E402
+from engine.platform import direct_io  # noqa: E402
+from engine.moe.store import ExpertStore, StoreConfig, aligned_buffer  # noqa: E402
+from engine.platform.direct_io import IO_MODES, fs_type  # noqa: E402
 
 LAYERS, EXPERTS = 2, 8
 TINY = ["--shape", "synthetic", "--layers", str(LAYERS), "--experts", str(EXPERTS), "--hidden", "64", "--expert-inter", "128",
@@ -130,7 +131,7 @@ def test_expert_store_falls_back_when_the_file_system_refuses_o_direct(tiny_stor
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
         return real_open(path, flags, *a, **kw)
 
-    monkeypatch.setattr(store_mod.os, "open", refusing_open)
+    monkeypatch.setattr(direct_io.os, "open", refusing_open)
     with caplog.at_level(logging.WARNING, logger="engine.moe.store"):
         s = ExpertStore(tiny_store)
     try:
@@ -235,7 +236,7 @@ def test_moe_bench_reports_consistent_figures():
 
 def test_moe_bench_refuses_speedups_when_o_direct_is_not_in_effect(monkeypatch, caplog):
     # As if the store lived on tmpfs: O_DIRECT is requested, reads are buffered.
-    monkeypatch.setattr(store_mod, "fs_type", lambda _path: "tmpfs")
+    monkeypatch.setattr(direct_io, "fs_type", lambda _path: "tmpfs")
     lines: list[str] = []
     with caplog.at_level(logging.WARNING, logger="engine.moe.store"):
         out = moe.run(_args([*TINY, "--repeats", "1", "--concurrency", "2"]), lines.append)

@@ -27,8 +27,8 @@ pytest.importorskip("transformers")
 
 from engine.bench import sparse  # noqa: E402
 from engine.cli.bench_cmd import scenarios  # noqa: E402
-from engine.moe import store as io_mod  # noqa: E402  (the O_DIRECT probe both stores use)
-from engine.moe.store import IO_MODES, fs_type  # noqa: E402
+from engine.platform import direct_io as io_mod  # noqa: E402  (the O_DIRECT probe both stores use)
+from engine.platform.direct_io import IO_MODES, fs_type  # noqa: E402
 
 REPO_SCRATCH = Path(__file__).resolve().parents[3] / ".cache"  # the repository's disk, whatever FLOTILLA_CACHE is
 SHAPE = dict(layers=2, hidden=1024, intermediate=2048, heads=8, kv_heads=2)  # bf16: 4 KiB exact-mode bundles

@@ -14,7 +14,7 @@ def demo_folder() -> Path:
 
 @pytest.fixture(scope="module")
 def demo_engine_f32(demo_folder):
-    from engine.serve.local import LocalEngine
+    from engine.scheduler.loop import LocalEngine
 
     engine = LocalEngine(demo_folder, "demo", precision="f32")
     yield engine

@@ -146,7 +146,7 @@ async def pair(agent: AgentProc, keys, name: str = "test-controller") -> None:
     """Pair keys with agent the way a user does: request, accept the code on
     the agent with the CLI, request again."""
     from engine.fleet.client import async_pair
-    from engine.fleet.security import pairing_code
+    from engine.transport.security import pairing_code
 
     first = await async_pair(keys, agent.pairing, agent.public_key, name)
     assert first.state == "pending"

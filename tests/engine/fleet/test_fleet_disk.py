@@ -22,7 +22,7 @@ import pytest
 
 from engine.fleet import bundle
 from engine.fleet.client import AgentClient, FleetError
-from engine.fleet.security import KeyPair
+from engine.transport.security import KeyPair
 from engine.fleet.shards import DISK_MARGIN, NoRoom, ShardStore
 from engine.protocol.errors import ProtocolError
 from tests.engine.fleet.fleet_helpers import AgentProc, pair

@@ -11,7 +11,7 @@ import psutil
 import zmq
 import zmq.asyncio
 
-from engine.fleet.security import KeyPair, curve_client
+from engine.transport.security import KeyPair, curve_client
 from engine.protocol.codec import decode, encode
 from engine.protocol.control import InfoReply, InfoRequest, StatusReply, StatusRequest
 from engine.protocol.messages import ErrorReply

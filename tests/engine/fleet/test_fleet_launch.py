@@ -28,7 +28,7 @@ from fleet_helpers import AgentProc, pair, set_idle  # noqa: E402
 from engine.fleet.client import AgentClient, NotPaired  # noqa: E402
 from engine.fleet.discovery import INFO_OFFSET, Peer, async_query_info  # noqa: E402
 from engine.fleet.launch import FleetSession, LaunchConfig, launch_fleet  # noqa: E402
-from engine.fleet.security import KeyPair  # noqa: E402
+from engine.transport.security import KeyPair  # noqa: E402
 from engine.pipeline.plan import PlanError  # noqa: E402
 from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E402
 
@@ -142,7 +142,7 @@ def test_worker_data_socket_admits_paired_keys_only(fleet):
     import zmq.asyncio
 
     from engine.fleet.client import _handshake
-    from engine.fleet.security import curve_client
+    from engine.transport.security import curve_client
     from engine.protocol import decode_frames, encode_frames
     from engine.protocol.pipeline import StagePing, StagePong
 
@@ -202,7 +202,7 @@ def test_yield_reaches_the_controller_and_ends_requests(fleet):
     assert events and events[0] == ev  # the listener the fixture added at launch too
     assert delay < 4.0, f"yield took {delay:.2f} s to reach the controller"
     req = GenerateRequest("after", messages=chat(("user", "hi")), sampling=SamplingParams(max_tokens=4))
-    from engine.serve.interface import EngineError
+    from engine.core.interface import EngineError
 
     try:
         final = list(engine.stream(engine.submit(req), timeout=10))[-1]

@@ -16,7 +16,7 @@ import pytest
 
 from engine.fleet.discovery import Peer
 from engine.fleet.launch import FleetSession, LaunchConfig, peer_profile
-from engine.fleet.security import KeyPair
+from engine.transport.security import KeyPair
 from engine.pipeline import plan_weights
 from engine.pipeline.plan import PlanError, PlanModel, PlanRequest
 from engine.pipeline.plan_validate import evaluate_plan

@@ -14,10 +14,10 @@ import pytest
 import zmq
 
 from engine.fleet import bundle, demo_mode
-from engine.fleet.curve_data import CurveEnd, LocalRingKeys, write_curve_file
+from engine.transport.curve_data import CurveEnd, LocalRingKeys, write_curve_file
 from engine.fleet.discovery import Peer
 from engine.fleet.launch import peer_links, peer_profile
-from engine.fleet.security import KeyPair
+from engine.transport.security import KeyPair
 from engine.fleet.workers import pipeline_worker_command, render_command
 from engine.protocol.codec import decode, encode
 from engine.protocol.control import AgentInfo, DeviceInfo, LoadReply, LoadRequest, ShardInfo

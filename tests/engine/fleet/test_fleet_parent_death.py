@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from engine.fleet.client import AgentClient, sha256_file
-from engine.fleet.security import KeyPair
+from engine.transport.security import KeyPair
 from tests.engine.fleet.fleet_helpers import REPO, AgentProc, fleet_env, free_port, pair, process_gone
 
 GONE_WITHIN_S = 5.0  # the watch polls every 0.5 s

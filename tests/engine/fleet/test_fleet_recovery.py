@@ -29,7 +29,7 @@ from engine_helpers import chat, reference_greedy  # noqa: E402
 from fleet_helpers import AgentProc, pair, set_idle  # noqa: E402
 
 from engine.fleet.launch import LaunchConfig, launch_fleet  # noqa: E402
-from engine.fleet.security import KeyPair  # noqa: E402
+from engine.transport.security import KeyPair  # noqa: E402
 from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E402
 from test_fleet_launch import _peer  # noqa: E402
 
@@ -203,7 +203,7 @@ def test_no_spare_and_no_local_fallback_ends_streams_with_the_reason(agents, ref
             assert len(kept) >= 4 and kept == ref[:len(kept)], "the streamed text is not a prefix of the answer"
         assert errors >= 2
         print(f"\nno spare: streams ended with: {final.error}")
-        from engine.serve.interface import EngineError
+        from engine.core.interface import EngineError
 
         with pytest.raises(EngineError, match="nothing can host"):
             engine.submit(GenerateRequest("late", messages=CONVS[0], sampling=SamplingParams(max_tokens=4)))

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from engine.fleet.client import AgentClient, AgentRefused, sha256_file
-from engine.fleet.security import KeyPair
+from engine.transport.security import KeyPair
 from engine.protocol.control import ChunkReply, ChunkRequest
 from tests.engine.fleet.fleet_helpers import AgentProc, pair
 

@@ -15,7 +15,7 @@ from engine.fleet.discovery import ManualPeers, parse_hostport
 from engine.fleet.idle import FileIdleSource
 from engine.fleet.identity import Fingerprint, NodeIdentity
 from engine.fleet.policy import MachineState, SharingPolicy, check_start, evaluate
-from engine.fleet.security import KeyBook, KeyPair, PairingBook, fingerprint, pairing_code
+from engine.transport.security import KeyBook, KeyPair, PairingBook, fingerprint, pairing_code
 from engine.fleet.shards import ShardStore
 from engine.fleet.txt import from_txt, to_txt
 from engine.protocol.codec import decode, encode

@@ -26,7 +26,7 @@ import pytest
 from engine import aio
 from engine.fleet import demo_mode
 from engine.fleet.agent import install_stop_signals, watch_stdin
-from engine.fleet.security import KeyPair
+from engine.transport.security import KeyPair
 from engine.fleet.workers import WorkerSupervisor
 from engine.platform import process, winjob
 from tests.engine.fleet.fleet_helpers import ECHO_WORKER, REPO, free_port, process_gone

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine.fleet.client import AgentClient, AgentRefused, sha256_file
-from engine.fleet.security import KeyPair
+from engine.transport.security import KeyPair
 from tests.engine.fleet.fleet_helpers import AgentProc, free_port, pair, process_gone, set_idle
 
 

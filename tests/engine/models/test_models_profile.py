@@ -206,7 +206,7 @@ def test_one_context_default_for_engines_and_planner(copy_demo):
 
     from engine.models.profile import DEFAULT_CONTEXT, engine_context, trained_context
     from engine.pipeline.plan import DeviceProfile, PeerProfile, PlanModel, PlanRequest, auto_plan
-    from engine.serve.local import LocalEngine
+    from engine.scheduler.loop import LocalEngine
 
     model = copy_demo("demo", "long-context")
     cfg = json.loads((model / "config.json").read_text())

@@ -7,7 +7,7 @@ import pytest
 
 from engine.moe.cache import ExpertCache, min_budget_bytes
 from engine.moe.store import ExpertStore
-from engine.serve.interface import EngineError
+from engine.core.interface import EngineError
 
 
 def test_budget_below_one_layers_top_k_is_refused(moe_model):
@@ -23,7 +23,7 @@ def test_budget_below_one_layers_top_k_is_refused(moe_model):
 
 
 def test_factory_refuses_a_small_budget_with_the_minimum(moe_model):
-    from engine.serve.factory import ENGINE_KINDS, EngineOptions, open_engine
+    from engine.local.factory import ENGINE_KINDS, EngineOptions, open_engine
 
     assert "moe" in ENGINE_KINDS
     _path, store_dir = moe_model("qwen2_moe")
@@ -34,7 +34,7 @@ def test_factory_refuses_a_small_budget_with_the_minimum(moe_model):
 
 def test_factory_opens_and_answers(moe_model):
     from engine.protocol.messages import GenerateRequest, SamplingParams
-    from engine.serve.factory import EngineOptions, open_engine
+    from engine.local.factory import EngineOptions, open_engine
 
     moe_model("qwen2_moe")
     with open_engine("demo-moe", kind="moe", options=EngineOptions(cache_budget_bytes=8 * 2**20,

@@ -15,7 +15,7 @@ import numpy as np
 from engine.moe.store import ExpertStore, aligned_buffer
 from engine.platform import pread
 from engine.protocol.messages import GenerateRequest, SamplingParams
-from engine.serve.factory import EngineOptions, open_engine
+from engine.local.factory import EngineOptions, open_engine
 from engine_helpers import collect
 
 PROMPTS = ["Once upon a time", "The robot", "Hello there my friend"]

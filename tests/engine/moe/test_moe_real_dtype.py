@@ -19,7 +19,7 @@ from engine.moe.engine import MoEConfig, MoEEngine
 from engine.moe.recipes import TINY_MIXTRAL_BF16, TINY_QWEN3_MOE_BF16
 from engine.moe.store import BLOB_FILE, REST_FILE, ExpertStore, StoreError, align_up
 from engine.protocol.messages import GenerateRequest, SamplingParams
-from engine.serve.interface import EngineError
+from engine.core.interface import EngineError
 
 RECIPES = {"qwen3_moe": TINY_QWEN3_MOE_BF16, "mixtral": TINY_MIXTRAL_BF16}
 NEW_TOKENS = 32

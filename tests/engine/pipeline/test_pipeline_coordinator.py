@@ -17,14 +17,14 @@ from engine_helpers import chat, collect, reference_greedy  # noqa: E402
 
 from engine.pipeline.plan import PlanError  # noqa: E402
 from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E402
-from engine.serve.interface import EngineError  # noqa: E402
+from engine.core.interface import EngineError  # noqa: E402
 
 HELLO = chat(("user", "Tell me a story about a robot."))
 
 
 @pytest.fixture(scope="module")
 def engine(demo_dir):
-    from engine.serve.factory import EngineOptions, open_engine
+    from engine.local.factory import EngineOptions, open_engine
 
     demo_dir("demo")
     eng = open_engine("demo", "pipeline", EngineOptions(precision="f32", extra={"stages": 2}))
@@ -92,7 +92,7 @@ def test_stop_string_ends_the_answer_before_it(engine):
 
 
 def test_sampling_uses_logits_rows_and_matches_the_local_engine(engine):
-    from engine.serve.local import LocalEngine
+    from engine.scheduler.loop import LocalEngine
 
     seeded = SamplingParams(max_tokens=24, temperature=0.8, top_k=50, seed=11)
     penalty = SamplingParams(max_tokens=24, repetition_penalty=1.3)
@@ -187,7 +187,7 @@ def test_a_stage_of_another_protocol_version_fails_at_once(tmp_path):
     from engine.models.demo import ensure_demo
     from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink
     from engine.protocol.version import PROTOCOL_VERSION
-    from engine.serve.interface import EngineError
+    from engine.core.interface import EngineError
 
     ctx = zmq.Context()
     fake = ctx.socket(zmq.ROUTER)  # a "worker" that answers every message in a future protocol

@@ -21,7 +21,7 @@ N = 10
 
 @pytest.fixture(scope="module")
 def engine(demo_dir):
-    from engine.serve.factory import EngineOptions, open_engine
+    from engine.local.factory import EngineOptions, open_engine
 
     demo_dir("demo")
     eng = open_engine("demo", "pipeline", EngineOptions(precision="f32", extra={"stages": 2, "max_concurrent": 2}))

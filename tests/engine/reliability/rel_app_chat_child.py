@@ -17,7 +17,7 @@ from pathlib import Path
 from app.settings import AppSettings
 from app.store import ChatStore
 from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
-from engine.serve.local import LocalEngine
+from engine.scheduler.loop import LocalEngine
 
 data, config = Path(sys.argv[1]), Path(sys.argv[2])
 settings = AppSettings(theme="dark", api_port=8123, last_model="demo")

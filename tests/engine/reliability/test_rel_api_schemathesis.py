@@ -26,7 +26,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 @pytest.fixture(scope="module")
 def api_url(demo_dir):
     from engine.serve.api import ApiServer, create_app
-    from engine.serve.factory import EngineOptions, open_engine
+    from engine.local.factory import EngineOptions, open_engine
 
     demo_dir("demo")
     # A small context bounds every answer (max_tokens is capped by it): each call stays short.

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from engine.protocol.messages import GenerateRequest, SamplingParams, TokenEvent, Usage
-from engine.serve.backpressure import retry_after_header, retry_after_s
-from engine.serve.interface import Engine, EngineInfo, EngineOverloaded
+from engine.core.backpressure import retry_after_header, retry_after_s
+from engine.core.interface import Engine, EngineInfo, EngineOverloaded
 
 
 class HeldEngine(Engine):

@@ -18,7 +18,7 @@ pytest.importorskip("zmq")
 from engine_helpers import chat  # noqa: E402
 
 from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E402
-from engine.serve.interface import EngineError  # noqa: E402
+from engine.core.interface import EngineError  # noqa: E402
 
 MAX_TOKENS = 300
 

@@ -6,20 +6,6 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def demo_engine():
-    """The real local engine (what `--engine local`, the default, opens: the paged engine) on
-    the `demo` model, OpenVINO in f32 (greedy answers are then reproducible and equal
-    transformers'), one per test module."""
-    from engine.serve.factory import EngineOptions, open_engine
-
-    eng = open_engine("demo", "local", EngineOptions(precision="f32"))
-    try:
-        yield eng
-    finally:
-        eng.close()
-
-
-@pytest.fixture(scope="module")
 def demo_server(demo_engine):
     """The OpenAI-compatible API over demo_engine, on a free loopback port."""
     from engine.serve.api import ApiServer, create_app

@@ -14,7 +14,7 @@ import pytest
 
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.serve.api import ApiServer, create_app
-from engine.serve.interface import Engine, EngineInfo
+from engine.core.interface import Engine, EngineInfo
 
 
 # prompt -> (error code, message): the category is in the code; the words are free to change

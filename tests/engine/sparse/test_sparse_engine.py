@@ -8,8 +8,8 @@ import pytest
 
 from engine.protocol.messages import GenerateRequest, SamplingParams
 from engine.runtime.chat import prompt_ids
-from engine.serve.factory import EngineOptions, open_engine
-from engine.serve.interface import EngineError
+from engine.local.factory import EngineOptions, open_engine
+from engine.core.interface import EngineError
 from engine.sparse.engine import SparseConfig, SparseEngine
 from engine_helpers import collect, reference_greedy
 

@@ -16,7 +16,7 @@ import pytest
 
 from engine.platform import pread
 from engine.protocol.messages import GenerateRequest, SamplingParams
-from engine.serve.factory import EngineOptions, open_engine
+from engine.local.factory import EngineOptions, open_engine
 from engine.sparse import aio
 from engine.sparse.engine import SparseConfig, SparseEngine
 from engine.sparse.store import BundleStore, build_store

@@ -16,7 +16,7 @@ from engine.protocol.messages import GenerateRequest, SamplingParams, Speculativ
 
 @pytest.fixture(scope="module")
 def engines(demo_dir):
-    from engine.serve.local import LocalEngine
+    from engine.scheduler.loop import LocalEngine
     from engine.speculative.config import SpecConfig
     from engine.speculative.synthetic import noisy_draft
 

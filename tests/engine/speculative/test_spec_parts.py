@@ -11,7 +11,7 @@ from engine.protocol.pipeline import StageResult, StageStep
 from engine.speculative.adaptive import AdaptiveK, expected_tokens
 from engine.speculative.config import SpecConfig
 from engine.speculative.drafts import lookup
-from engine.speculative.kv import VisibleMask
+from engine.runtime.kv_state import VisibleMask
 
 
 def test_visible_mask_hides_and_compacts():

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
+from engine.core.backpressure import retry_after_s
 from engine.protocol.messages import GenerateRequest, TokenEvent
 
 DEFAULT_MAX_PENDING = 256  # running + queued requests per engine before submit() says "overloaded"
@@ -90,8 +91,6 @@ class Engine(ABC):
                 raise EngineError(f"request id {request.request_id!r} is already in use")
             pending = len(self._queues) - len(self._ended)
             if pending >= self.max_pending:
-                from engine.serve.backpressure import retry_after_s
-
                 wait = retry_after_s(pending, self.capacity(), self.mean_request_s)
                 raise EngineOverloaded(f"{pending} requests are already running or queued "
                                        f"(at most {self.max_pending}); retry in {wait:.0f} s", wait)

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine.serve.interface import Engine, EngineError
+from engine.core.interface import Engine, EngineError
 
 Progress = Callable[[str, float], None]
 
@@ -47,11 +47,11 @@ def open_whole_model(path: Any, model_id: str, progress: Progress | None = None,
     """The local engine on a resolved model folder: the paged engine (every request in one
     forward pass) on OpenVINO; the one-request-per-turn loop on the torch reference backend,
     or where the model's attention has no paged form (said in the log)."""
-    from engine.serve.local import LocalEngine
+    from engine.scheduler.loop import LocalEngine
 
     if backend == "openvino":
         from engine.runtime.ov_paged import PagedUnsupported
-        from engine.serve.paged import PagedEngine
+        from engine.local.paged import PagedEngine
 
         try:
             return PagedEngine(path, model_id, progress=progress, **kw)
@@ -72,7 +72,7 @@ def _open_local(spec: str, options: EngineOptions, progress: Progress | None) ->
 
 
 def _open_loop(spec: str, options: EngineOptions, progress: Progress | None) -> Engine:
-    from engine.serve.local import LocalEngine
+    from engine.scheduler.loop import LocalEngine
 
     return LocalEngine.from_spec(spec, device=options.device, precision=options.precision,
                                  backend=options.backend, progress=progress,
@@ -85,7 +85,7 @@ ENGINE_KINDS: dict[str, tuple[Callable[[str, EngineOptions, Progress | None], En
     "local": (_open_local, "the whole model on this PC, every request in one forward pass (OpenVINO, paged KV "
                            "cache)"),
     "loop": (_open_loop, "the whole model on this PC, one token of each request per turn (a KV state per request)"),
-    "batched": (_lazy("engine.serve.batched:open_batched"),
+    "batched": (_lazy("engine.local.batched:open_batched"),
                 "the whole model on this PC, concurrent requests batched (openvino_genai continuous batching)"),
     "pipeline": (_lazy("engine.pipeline.runner:open_pipeline_engine"),
                  "layers split over local stage processes (pipeline shards; extra: stages, split, threads)"),

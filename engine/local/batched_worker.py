@@ -6,7 +6,7 @@ other thread -- the HTTP server streaming answers, the app's window -- stood sti
 each step. Measured at 0.9 B: a thread sleeping 1 ms at a time woke 31 times in the 1.35 s
 of one 32-token answer beside the pipeline, 1348 times beside the local engine (whose
 OpenVINO infer() releases the GIL). Here the pipeline has the interpreter to itself; the
-serving process (engine/serve/batched.py) keeps the tokenizer, the chat template and
+serving process (engine/local/batched.py) keeps the tokenizer, the chat template and
 generation.accept, and only ids cross the pipe.
 
 Wire: msgpack maps, parent -> child on stdin, child -> parent on a private copy of stdout

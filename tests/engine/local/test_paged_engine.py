@@ -12,7 +12,7 @@ import pytest
 
 from engine.protocol.messages import GenerateRequest, SamplingParams, SpeculativeParams
 from engine.runtime.chat import chat_ids
-from engine.serve.paged import PagedEngine
+from engine.local.paged import PagedEngine
 from engine_helpers import CONVERSATION, chat, collect, reference_greedy, reference_model
 
 N = 24
@@ -131,8 +131,8 @@ def test_cancel_gives_the_blocks_back(engine):
 
 def test_the_local_kind_opens_it_and_falls_back_to_the_loop(demo_path, monkeypatch):
     from engine.runtime import ov_paged
-    from engine.serve.factory import open_whole_model
-    from engine.serve.local import LocalEngine
+    from engine.local.factory import open_whole_model
+    from engine.scheduler.loop import LocalEngine
 
     with open_whole_model(demo_path, "demo", precision="f32") as eng:
         assert isinstance(eng, PagedEngine)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.generation import Generation, finished
-from engine.serve.interface import Engine
+from engine.core.interface import Engine
 
 log = logging.getLogger(__name__)
 

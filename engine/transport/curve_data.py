@@ -38,8 +38,8 @@ from pathlib import Path
 import zmq
 import zmq.auth.thread
 
-from engine.fleet.paths import ensure_private_dir, write_private
-from engine.fleet.security import KeyBook, KeyPair, curve_client, curve_server, fingerprint
+from engine.paths import ensure_private_dir, write_private
+from engine.transport.security import KeyBook, KeyPair, curve_client, curve_server, fingerprint
 from engine.protocol.control import is_z85_key
 
 log = logging.getLogger(__name__)

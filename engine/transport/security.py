@@ -31,7 +31,7 @@ from pathlib import Path
 import zmq
 import zmq.auth.thread
 
-from engine.fleet.paths import read_json, write_json, write_private
+from engine.paths import read_json, write_json, write_private
 from engine.protocol.control import is_z85_key
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ import pytest
 from engine.protocol.messages import GenerateRequest, SamplingParams
 from engine.runtime.chat import chat_ids
 from engine.runtime.errors import BackendError
-from engine.serve.interface import EngineError
-from engine.serve.local import LocalEngine
+from engine.core.interface import EngineError
+from engine.scheduler.loop import LocalEngine
 from engine_helpers import CONVERSATION, chat, collect, reference_greedy
 
 STORY = chat(("user", "Tell me a story about a robot."))

@@ -7,7 +7,7 @@ request one step (a prefill chunk or one token). Each request has its own KV
 state, so answers do not depend on what else runs. A failure in one request
 ends that request with an error event; the thread goes on.
 
-Speculative decoding (engine/runtime/speculative_local.py): a request whose
+Speculative decoding (engine/speculative/local.py): a request whose
 `speculative` field (or the engine's default, `speculative=SpecConfig(...)`)
 asks for it gets a mask-rollback stream, and each of its steps verifies
 1..k drafted tokens at once.
@@ -26,9 +26,9 @@ from engine.models.profile import engine_context
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, finished, step
-from engine.runtime.speculative_local import MaskedOVStream, spec_step
-from engine.serve.inbox import TurnEngine
-from engine.serve.interface import EngineError, EngineInfo
+from engine.speculative.local import MaskedOVStream, spec_step
+from engine.scheduler.inbox import TurnEngine
+from engine.core.interface import EngineError, EngineInfo
 from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class LocalEngine(TurnEngine):
         self.eos_ids = eos_token_ids(self.backend.model_dir, self.tokenizer)
         self.max_concurrent = max_concurrent
         self.prefill_chunk = prefill_chunk
-        from engine.runtime.speculative_local import LocalSpeculation
+        from engine.speculative.local import LocalSpeculation
         from engine.speculative.config import SpecConfig
 
         try:  # speculation defaults; a request's `speculative` field overrides them

@@ -47,8 +47,8 @@ from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, accept, finished, pick
 from engine.runtime.kv_blocks import BlockPool
 from engine.runtime.ov_paged import PagedModel, SeqWork
-from engine.serve.inbox import TurnEngine
-from engine.serve.interface import EngineError, EngineInfo
+from engine.scheduler.inbox import TurnEngine
+from engine.core.interface import EngineError, EngineInfo
 from engine.speculative.session import emit_tokens
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class PagedEngine(TurnEngine):
         self.pool = BlockPool(self.model.blocks, self.model.block_size, keep=prompt_cache)
         self.context_length = min(context, self.model.blocks * self.model.block_size)
         self.eos_ids = eos_token_ids(self.model.model_dir, self.tokenizer)
-        from engine.runtime.speculative_local import LocalSpeculation
+        from engine.speculative.local import LocalSpeculation
         from engine.speculative.config import SpecConfig
 
         try:  # speculation defaults; a request's `speculative` field overrides them

@@ -28,7 +28,7 @@ ENGINES = [  # (kind, model, options.extra)
 
 @pytest.fixture(scope="module", params=ENGINES, ids=[e[0] for e in ENGINES])
 def engine(request, demo_dir):
-    from engine.serve.factory import EngineOptions, open_engine
+    from engine.local.factory import EngineOptions, open_engine
 
     kind, model, extra = request.param
     demo_dir(model)

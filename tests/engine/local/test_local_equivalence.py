@@ -6,7 +6,7 @@ import pytest
 
 from engine.protocol.messages import GenerateRequest, SamplingParams
 from engine.runtime.chat import chat_ids
-from engine.serve.local import LocalEngine
+from engine.scheduler.loop import LocalEngine
 from engine_helpers import CONVERSATION, DEMOS, chat, collect, reference_greedy
 
 N = 32

@@ -3,7 +3,7 @@
 `MaskedOVStream` is an OVStream (same prefill/decode) that also runs a
 speculative step -- [pending, d1..dk] in one call, logits of every position
 -- and hides rejected positions with the attention mask instead of trimming
-the KV state (engine/speculative/kv.py); it compacts the state when the
+the KV state (engine/runtime/kv_state.py); it compacts the state when the
 hidden share crosses the configured threshold.
 
 `LocalSpeculation` is what LocalEngine owns: it opens a session per request
@@ -23,7 +23,7 @@ from engine.protocol.messages import GenerateRequest, TokenEvent
 from engine.runtime.generation import Generation, decode_one, prefill_step
 from engine.speculative.config import SpecConfig, known_draft
 from engine.speculative.drafts import DraftModel, LookupDraft
-from engine.speculative.kv import VisibleMask, compact_state
+from engine.runtime.kv_state import VisibleMask, compact_state
 from engine.speculative.session import SpecSession, emit_tokens
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 openvino_genai's ContinuousBatchingPipeline computes every running request's
 next token in one batched inference over a paged KV cache (and splits long
 prompts into chunks it fuses with the others' decode steps). It runs in a child
-process (engine/serve/batched_worker.py has why: its step() holds the GIL); this
+process (engine/local/batched_worker.py has why: its step() holds the GIL); this
 engine is a scheduler thread that sends it prompt ids and reads back token ids.
 The pipeline picks the tokens; everything after the pick is Flotilla's own: the
 prompt ids come from request_ids (the chat template, tools), and each token goes
@@ -39,10 +39,10 @@ from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import RequestError, error_code_of
 from engine.runtime.generation import Generation, accept, finished
 from engine.runtime import tool_format
-from engine.serve import batched_worker
-from engine.serve.fields import engine_refusal
-from engine.serve.interface import Engine, EngineError, EngineInfo
-from engine.serve.inbox import TurnEngine
+from engine.local import batched_worker
+from engine.core.refusal import engine_refusal
+from engine.core.interface import Engine, EngineError, EngineInfo
+from engine.scheduler.inbox import TurnEngine
 from engine.models.profile import engine_context
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class PipelineProcess:
 
     def __init__(self, folder: Path, device: str, precision: str, max_concurrent: int,
                  kv_cache_gb: float, prefill_chunk: int) -> None:
-        argv = [sys.executable, "-m", "engine.serve.batched_worker", "--folder", str(folder), "--device", device,
+        argv = [sys.executable, "-m", "engine.local.batched_worker", "--folder", str(folder), "--device", device,
                 "--precision", precision, "--max-concurrent", str(max_concurrent),
                 "--kv-cache-gb", str(kv_cache_gb), "--prefill-chunk", str(prefill_chunk)]
         self.proc = process.spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, die_with_us=True)
@@ -252,7 +252,7 @@ class BatchedEngine(TurnEngine):
 
 
 def open_batched(spec: str, options: Any, progress: Progress | None) -> Engine:
-    """engine kind "batched" (engine/serve/factory.py)."""
+    """engine kind "batched" (engine/local/factory.py)."""
     return BatchedEngine.from_spec(spec, device=options.device, precision=options.precision, progress=progress,
                                    max_concurrent=int(options.extra.get("max_concurrent", 8)),
                                    context_length=options.extra.get("context_length"))

@@ -2,7 +2,7 @@
 
 Where requests can pile up, and what bounds each place:
 
-- Engine.submit() (engine/serve/interface.py): at most `engine.max_pending`
+- Engine.submit() (engine/core/interface.py): at most `engine.max_pending`
   requests running + queued (default DEFAULT_MAX_PENDING); one more raises
   EngineOverloaded(retry_after_s). The HTTP API answers it with 429 and a
   Retry-After header (engine/serve/api.py); the chat UI shows engine.load()

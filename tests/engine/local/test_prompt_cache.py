@@ -23,7 +23,7 @@ def engine(request, demo_engine):
     if request.param == "local":
         yield demo_engine
         return
-    from engine.serve.local import LocalEngine
+    from engine.scheduler.loop import LocalEngine
 
     with LocalEngine.from_spec("demo", precision="f32") as eng:
         yield eng
@@ -78,7 +78,7 @@ def test_the_same_prompt_again_is_answered_the_same(engine):
 def test_the_loops_cache_is_bounded_and_the_oldest_goes():
     """The loop engine keeps as many conversations as its pool of idle requests (2): a
     third one pushes the oldest out, whose follow-up is then prefilled in full."""
-    from engine.serve.local import LocalEngine
+    from engine.scheduler.loop import LocalEngine
 
     with LocalEngine.from_spec("demo", precision="f32") as engine:
         convs = [chat(SYSTEM, ("user", f"Question number {i} about water, please.")) for i in range(3)]
@@ -93,7 +93,7 @@ def test_the_loops_cache_is_bounded_and_the_oldest_goes():
 def test_the_paged_cache_is_the_pool_and_the_oldest_blocks_go(demo_dir):
     """The paged engine keeps ended answers' blocks while the pool has room: with room for
     about two conversations, the newest is kept, the first one's blocks are re-used."""
-    from engine.serve.paged import PagedEngine
+    from engine.local.paged import PagedEngine
 
     with PagedEngine(demo_dir("demo"), "demo", precision="f32", max_blocks=12) as engine:
         convs = [chat(("system", f"Rule {i}. " + SYSTEM[1]), ("user", "Tell me.")) for i in range(3)]
