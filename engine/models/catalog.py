@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.models import demo
+from engine.models.config_file import read_config
 from engine.models.errors import ModelError
 from engine.models.ref import architecture_of, hf_cache_dir, resolve_model
 
@@ -136,9 +137,8 @@ def _folder_entries() -> list[LocalModelEntry]:
 
 def _arch(path: Path) -> str | None:
     try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        return architecture_of(cfg) if isinstance(cfg, dict) else None
-    except (OSError, ValueError):
+        return architecture_of(read_config(path))
+    except ModelError:
         return None
 
 

@@ -21,10 +21,10 @@ Module names and checkpoint names differ in three known ways, handled here:
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from engine.models.config_file import read_config as read_config_file
 from engine.models.errors import ModelError
 from engine.models.ref import read_safetensors_header, safetensors_files
 
@@ -178,11 +178,7 @@ def read_config(path: Path) -> Any:
     """The transformers config of a folder, with a one-line error for a bad one."""
     from transformers import AutoConfig
 
-    cfg_file = Path(path) / "config.json"
-    try:
-        json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read {cfg_file}: {e}") from None
+    read_config_file(path)  # a missing or broken file: our one-line error, not transformers'
     try:
         return AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError) as e:

@@ -25,12 +25,12 @@ and total_bytes stays the bytes on disk, what a single-node runtime needs.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.models.config_file import read_config, text_config, try_text_config
 from engine.models.errors import ModelError
 from engine.models.ref import ResolvedModel, architecture_of, read_safetensors_header, safetensors_files
 
@@ -73,12 +73,7 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 
 def trained_context(model_dir: Path | str) -> int:
     """The model's trained context length from its config.json (DEFAULT_CONTEXT if it names none)."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return DEFAULT_CONTEXT
-    cfg = _text_config(cfg) if isinstance(cfg, dict) else {}
-    v = _first(cfg, *_CONTEXT_KEYS)
+    v = _first(try_text_config(model_dir), *_CONTEXT_KEYS)
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else DEFAULT_CONTEXT
 
 
@@ -225,8 +220,8 @@ def profile_model(resolved: ResolvedModel | str | Path) -> ModelProfile:
     downloading it)."""
     if not isinstance(resolved, ResolvedModel):
         resolved = _bare_folder(Path(resolved))
-    raw = _read_config(resolved.path)
-    config = _text_config(raw)
+    raw = read_config(resolved.path)
+    config = text_config(raw)
     shape = _shape(config)
     L = shape["num_layers"]
     files = safetensors_files(resolved.path) if resolved.weights_format == "safetensors" else []
@@ -252,7 +247,7 @@ def profile_model(resolved: ResolvedModel | str | Path) -> ModelProfile:
 
 def _bare_folder(path: Path) -> ResolvedModel:
     """A ResolvedModel for a folder that need only hold config.json."""
-    config = _read_config(path)
+    config = read_config(path)
     fmt = ("openvino" if (path / "openvino_model.xml").is_file()
            else "safetensors" if safetensors_files(path) else "pytorch")
     return ResolvedModel(spec=str(path), model_id=path.name or str(path), path=path, kind="hf",
@@ -260,20 +255,6 @@ def _bare_folder(path: Path) -> ResolvedModel:
 
 
 # --------------------------------------------------------------------------- config
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read {path / 'config.json'}: {e}") from None
-
-
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    # Some causal LMs nest the decoder numbers under text_config.
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
-        return {**config["text_config"], "architectures": config.get("architectures")}
-    return config
-
 
 def _first(config: dict[str, Any], *keys: str) -> Any:
     for k in keys:

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engine.models.config_file import read_text_config
 from engine.moe.store import (ALIGN, BLOB_FILE, INDEX_FILE, REST_FILE, STORE_VERSION, BlobInfo, StoreError,
                               StoreIndex, align_up, blob_parts, checksum, default_checksum)
 from engine.runtime.stored import ST_DTYPES, STORAGE_DTYPES, dtype_name, quantize_rows
@@ -73,8 +74,7 @@ def convert(model_dir: Path, out_dir: Path, source: str = "", progress: Progress
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if weights not in (None, "int8"):
         raise StoreError(f"the moe engine keeps the checkpoint's dtype or quantizes to int8, not {weights!r}")
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    config = config.get("text_config", config)
+    config = read_text_config(model_dir)
     files = checkpoint_files(model_dir)
     handles = {f: safe_open(str(f), framework="pt") for f in files}
     where = {name: f for f, h in handles.items() for name in h.keys()}

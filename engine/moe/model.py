@@ -26,7 +26,6 @@ as transformers computes it. KV is 16-bit by default. Inference only.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -460,5 +459,3 @@ def _act(config):
     return ACT2FN[getattr(config, "hidden_act", "silu")]
 
 
-def read_config(store_dir: Path) -> dict:
-    return json.loads((Path(store_dir) / "config.json").read_text(encoding="utf-8"))

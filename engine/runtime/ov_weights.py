@@ -26,6 +26,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from engine.models.config_file import try_text_config
+
 WEIGHT_LABELS = ("f32", "bf16", "fp16", "int8", "int4")  # most precise first
 WEIGHT_CHOICES = ("auto",) + WEIGHT_LABELS  # what `flotilla chat --weights` accepts
 _SAFETENSORS = {"F32": "f32", "BF16": "bf16", "F16": "fp16"}
@@ -53,11 +55,7 @@ def checkpoint_dtype(src: Path) -> str:
                 counts[label] = counts.get(label, 0) + int(end) - int(begin)
     if counts:
         return max(counts, key=lambda k: (counts[k], k))
-    try:
-        config = json.loads((Path(src) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return "f32"
-    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    config = try_text_config(src)
     name = str(config.get("dtype") or config.get("torch_dtype") or "").replace("torch.", "")
     return _CONFIG.get(name, "f32")
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.models.config_file import read_text_config
 from engine.models.errors import ModelError
 
 RELU_FAMILY = ("relu", "relu2", "relu6")  # activations with natural zeros
@@ -52,17 +53,9 @@ class FFNLayout:
         return ".mlp." in key and key.startswith(self.prefix + ".") and key.endswith("_proj.weight")
 
 
-def read_config(model_dir: Path) -> dict:
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelError(f"cannot read {model_dir}/config.json: {e}") from None
-    return cfg.get("text_config", cfg)
-
-
 def ffn_layout(model_dir: Path) -> FFNLayout:
     """The FFN layout of a model folder; refuses architectures the engine cannot split."""
-    cfg = read_config(model_dir)
+    cfg = read_text_config(model_dir)
     names = tensor_names(model_dir)
     layout = FFNLayout(num_layers=int(cfg["num_hidden_layers"]), hidden=int(cfg["hidden_size"]),
                        neurons=int(cfg["intermediate_size"]), act=str(cfg.get("hidden_act", "silu")),

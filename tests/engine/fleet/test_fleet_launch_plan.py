@@ -170,7 +170,7 @@ def test_the_facade_hands_the_editors_plan_object_to_the_launcher(monkeypatch, d
                                 client.fleet_peers(cards), client.plan_request(1024, 2, "int4"))
     events: list[tuple] = []
     _fake_agents(monkeypatch, [a, b], {}, events)
-    monkeypatch.setattr(client, "_controller_keys", KeyPair.generate)
+    monkeypatch.setattr(client.fleet, "_controller_keys", KeyPair.generate)  # where launch_fleet looks it up
     with pytest.raises(client.EngineError):  # the fake export's stop, as the facade reports failures
         client.launch_fleet("demo", plan, cards)
     assert events[-1][3] is plan

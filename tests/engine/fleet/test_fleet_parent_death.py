@@ -4,7 +4,7 @@
   pipeline worker's parent watch (engine/pipeline/worker.py, pid + creation time through psutil,
   the mechanism Windows relies on too) ends it within seconds -- here while the dead agent is
   still an unreaped zombie, which counts as gone.
-- Stopped by its tray ("Quit (stop sharing this PC)": engine/client.py AgentHandle.stop): the
+- Stopped by its tray ("Quit (stop sharing this PC)": engine/client/agent.py AgentHandle.stop): the
   agent is asked, through its stdin lifeline, the same way on every OS, and stops its workers
   itself before it exits; nothing is killed. Its lifeline also ends when the tray dies.
 """
