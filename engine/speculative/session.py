@@ -12,13 +12,14 @@ as one step with every position's output, then hides the last
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
 import numpy as np
 
 from engine.protocol.messages import TokenEvent
-from engine.runtime.generation import Generation, finished
+from engine.runtime.generation import Generation, accept
 from engine.runtime.sampling import process_logits, softmax
 from engine.speculative.adaptive import AdaptiveK
 from engine.speculative.config import SpecSettings
@@ -110,22 +111,14 @@ _EMPTY = np.zeros(0, np.int64)
 
 
 def emit_tokens(gen: Generation, tokens: Sequence[int]) -> TokenEvent:
-    """Append verified tokens to the answer, stopping at EOS/stop strings/length.
-
-    Returns one event carrying every token kept (final when the answer ended);
-    tokens after the end are dropped. Sets gen.pending to the last token."""
-    if gen.t_first is None:
-        gen.t_first = time.perf_counter()
+    """Append verified tokens to the answer through generation.accept (the one token step:
+    EOS/stop strings, length), as one event carrying every token kept (final when the answer
+    ended); tokens after the end are dropped. Leaves gen.pending at the last token."""
     text, kept = "", []
     for token in tokens:
-        token = int(token)
-        gen.output_ids.append(token)
-        kept.append(token)
-        delta = gen.detok.push(token)
-        text += delta.text
-        if delta.stopped:
-            return finished(gen, "stop", text, tuple(kept))
-        if len(gen.output_ids) >= gen.max_new:
-            return finished(gen, "length", text + gen.detok.finish(), tuple(kept))
-    gen.pending = kept[-1]
+        event = accept(gen, int(token))
+        text += event.text
+        kept.extend(event.token_ids)
+        if event.finish_reason is not None:
+            return dataclasses.replace(event, text=text, token_ids=tuple(kept))
     return TokenEvent(gen.request_id, text=text, token_ids=tuple(kept))
