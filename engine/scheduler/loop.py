@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.backend import BACKENDS, ModelBackend, Progress, load_backend
@@ -33,53 +33,46 @@ from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
 
-class LocalEngine(TurnEngine):
-    def __init__(self, model_path: Path, model_id: str, device: str = "CPU", precision: str = "default",
-                 backend: str = "openvino", max_concurrent: int = 8, context_length: int | None = None,
-                 progress: Progress | None = None, prefill_chunk: int = 512,
-                 speculative: Any = None) -> None:
+class BackendLoop(TurnEngine):
+    """The round-robin loop over a loaded ModelBackend: each turn, one unit of work per
+    running request (a prefill chunk, a token, or a speculation verify step). A subclass
+    opens the backend and hands it over; if this constructor fails, it closes the backend.
+
+    spec_factory(tokenizer) makes the speculation hooks (open/session/end/close); KIND is
+    what EngineInfo.engine says."""
+
+    KIND = "local"
+
+    def __init__(self, backend: ModelBackend, model_id: str, context_length: int, max_concurrent: int,
+                 prefill_chunk: int, spec_factory: Callable[[Any], Any]) -> None:
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        if max_concurrent < 1:
-            raise ValueError("max_concurrent must be at least 1")
         from transformers import AutoTokenizer
 
         self.model_id = model_id
-        self.backend: ModelBackend = load_backend(backend, Path(model_path), device, precision, progress)
+        self.backend = backend
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.backend.model_dir)
-        except Exception as e:
-            self.backend.close()
-            raise EngineError(f"cannot load the tokenizer of {model_path}: {e}") from e
-        self.context_length = engine_context(self.backend.model_dir, context_length)
-        self.eos_ids = eos_token_ids(self.backend.model_dir, self.tokenizer)
-        self.max_concurrent = max_concurrent
-        self.prefill_chunk = prefill_chunk
-        from engine.speculative.local import LocalSpeculation
-        from engine.speculative.config import SpecConfig
-
-        try:  # speculation defaults; a request's `speculative` field overrides them
-            self.spec = LocalSpeculation(speculative or SpecConfig(), self.backend, model_id,
-                                         _logits_width(self.backend, len(self.tokenizer)), device,
-                                         precision, progress)
-        except Exception as e:
-            self.backend.close()
-            raise EngineError(f"cannot start speculative decoding: {e}") from e
-        self._start_scheduler(f"flotilla-local-{model_id}")
-
-    @classmethod
-    def from_spec(cls, spec: str, progress: Progress | None = None, **kw: Any) -> "LocalEngine":
-        """Resolve a model spec ("demo", a folder, a hub id...) and open it."""
-        from engine.models import resolve_model
-
-        resolved = resolve_model(spec, progress)
-        return cls(Path(resolved.path), resolved.model_id, progress=progress, **kw)
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(backend.model_dir)
+            except Exception as e:
+                raise EngineError(f"cannot load the tokenizer of {backend.model_dir}: {e}") from e
+            self.context_length = context_length
+            self.eos_ids = eos_token_ids(backend.model_dir, self.tokenizer)
+            self.max_concurrent = max_concurrent
+            self.prefill_chunk = prefill_chunk
+            try:  # speculation defaults; a request's `speculative` field overrides them
+                self.spec = spec_factory(self.tokenizer)
+            except Exception as e:
+                raise EngineError(f"cannot start speculative decoding: {e}") from e
+        except BaseException:
+            backend.close()
+            raise
+        self._start_scheduler(f"flotilla-{self.KIND}-{model_id}")
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(self.model_id, "local", self.backend.device, self.context_length,
+        return EngineInfo(self.model_id, self.KIND, self.backend.device, self.context_length,
                           tool_format.of(self.tokenizer).name)
+
 
     def set_prompt_cache(self, streams: int) -> None:
         """Keep at most this many finished streams' KV for follow-up prompts (0: none);
@@ -145,6 +138,39 @@ class LocalEngine(TurnEngine):
             gen.stream.close()
         finally:
             self._emit(event)
+
+
+class LocalEngine(BackendLoop):
+    """`--engine loop`: one model on this machine (OpenVINO, or the torch reference), each
+    request on its own InferRequest and KV state."""
+
+    def __init__(self, model_path: Path, model_id: str, device: str = "CPU", precision: str = "default",
+                 backend: str = "openvino", max_concurrent: int = 8, context_length: int | None = None,
+                 progress: Progress | None = None, prefill_chunk: int = 512,
+                 speculative: Any = None) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
+        loaded: ModelBackend = load_backend(backend, Path(model_path), device, precision, progress)
+
+        def speculation(tokenizer: Any) -> Any:
+            from engine.speculative.config import SpecConfig
+            from engine.speculative.local import LocalSpeculation
+
+            return LocalSpeculation(speculative or SpecConfig(), loaded, model_id,
+                                    _logits_width(loaded, len(tokenizer)), device, precision, progress)
+
+        super().__init__(loaded, model_id, engine_context(loaded.model_dir, context_length), max_concurrent,
+                         prefill_chunk, speculation)
+
+    @classmethod
+    def from_spec(cls, spec: str, progress: Progress | None = None, **kw: Any) -> "LocalEngine":
+        """Resolve a model spec ("demo", a folder, a hub id...) and open it."""
+        from engine.models import resolve_model
+
+        resolved = resolve_model(spec, progress)
+        return cls(Path(resolved.path), resolved.model_id, progress=progress, **kw)
 
 
 def _logits_width(backend: Any, fallback: int) -> int:

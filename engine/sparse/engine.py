@@ -1,7 +1,7 @@
 """SparseEngine: the Engine interface over the sparse model.
 
 The scheduler, chat templating, sampling, detokenizing and stop strings are
-LocalEngine's (engine/scheduler/loop.py); only the backend differs: a
+the round-robin loop's (BackendLoop, engine/scheduler/loop.py); only the backend differs: a
 SparseBackend whose streams run transformers' decoder with SparseMLPs (the
 torch backend's stream class, reused). Requests run one at a time by
 default: the neuron cache and the previous-token sets are shared, and
@@ -21,10 +21,9 @@ from typing import Any, Sequence
 import torch
 
 from engine.runtime.backend import Progress
-from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.torch_backend import TorchStream
-from engine.core.interface import Engine, EngineError, EngineInfo
-from engine.scheduler.loop import LocalEngine
+from engine.core.interface import Engine, EngineError
+from engine.scheduler.loop import BackendLoop
 
 from engine.models.profile import DEFAULT_CONTEXT, engine_context  # KV bounded per request: one default
 from engine.sparse.cache import BudgetError
@@ -36,7 +35,6 @@ from engine.sparse.model import SparseMLP, SparseRuntime, SparseRuntimeConfig
 from engine.sparse.predictor import PredictorConfig
 from engine.sparse.store import BundleStore, StoreConfig, build_store
 from engine.sparse.weights import MappedWeights, build_skeleton, ffn_layout, put_weights
-from engine.runtime import tool_format
 
 
 @dataclass
@@ -182,7 +180,7 @@ def working_bytes(config, context: int, chunk: int = 512, layer_rows_bytes: int 
 
 
 class _NoSpeculation:
-    """LocalEngine's speculation hooks, all off (a request always takes the plain step)."""
+    """BackendLoop's speculation hooks, all off (a request always takes the plain step)."""
 
     def new_stream(self, request):
         return None
@@ -200,28 +198,18 @@ class _NoSpeculation:
         pass
 
 
-class SparseEngine(LocalEngine):
-    """LocalEngine's scheduler over a SparseBackend."""
+class SparseEngine(BackendLoop):
+    """The round-robin loop (engine/scheduler/loop.py) over a SparseBackend; no speculation."""
+
+    KIND = "sparse"
 
     def __init__(self, model_path: Path, model_id: str, cfg: SparseConfig = SparseConfig(),
                  max_concurrent: int = 1, progress: Progress | None = None, prefill_chunk: int = 512) -> None:
-        Engine.__init__(self)  # LocalEngine.__init__ would load its own backend
-        from transformers import AutoTokenizer
-
         torch.set_grad_enabled(False)
-        self.model_id = model_id
-        self.context_length = engine_context(model_path, cfg.context_length)
-        self.backend = SparseBackend(Path(model_path), cfg, progress, self.context_length, max_concurrent)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        except Exception as e:
-            self.backend.close()
-            raise EngineError(f"cannot load the tokenizer of {model_path}: {e}") from e
-        self.eos_ids = eos_token_ids(Path(model_path), self.tokenizer)
-        self.max_concurrent = max_concurrent
-        self.prefill_chunk = prefill_chunk
-        self.spec = _NoSpeculation()  # LocalEngine's scheduler hooks; the sparse engine does not speculate
-        self._start_scheduler(f"flotilla-sparse-{model_id}")
+        context_length = engine_context(model_path, cfg.context_length)
+        backend = SparseBackend(Path(model_path), cfg, progress, context_length, max_concurrent)
+        super().__init__(backend, model_id, context_length, max_concurrent, prefill_chunk,
+                         lambda _tokenizer: _NoSpeculation())
 
     @classmethod
     def from_spec(cls, spec: str, cfg: SparseConfig = SparseConfig(), progress: Progress | None = None,
@@ -230,11 +218,6 @@ class SparseEngine(LocalEngine):
 
         resolved = resolve_model(spec, progress)
         return cls(Path(resolved.path), resolved.model_id, cfg, progress=progress, **kw)
-
-    @property
-    def info(self) -> EngineInfo:
-        return EngineInfo(self.model_id, "sparse", "CPU", self.context_length,
-                          tool_format.of(self.tokenizer).name)
 
     # -- sparse-only API ----------------------------------------------------------------
     def set_cache_budget(self, nbytes: int) -> None:
