@@ -32,19 +32,19 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QCheckBox, QComboBox, QFormLayout, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QProgressBar,
-    QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
+    QComboBox, QGroupBox, QHBoxLayout, QLabel, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
 )
 
-from app import style
+from app import plan_rules, style
 from app.background import Runner
 from app.fleet_model import FleetModel
+from app.launch_progress import LaunchProgress
 from app.layer_bar import LayerBar, Segment
-from app.memory_bar import MemoryBar
+from app.plan_rules import LOCAL_KINDS
+from app.plan_settings import EngineSettings
+from app.plan_stages import StageTable
 from app.session import OPENING, READY, EngineSession
 from engine import client
-
-LOCAL_KINDS = ("local", "moe", "sparse")
 
 
 class PlanView(QWidget):
@@ -66,10 +66,9 @@ class PlanView(QWidget):
         self.checkpoint = "f32"  # the model's own weight dtype: where weights "auto" starts
         self.edited = False  # the user moved a boundary or pinned a device since the last auto-plan
         self._this_pc: client.PeerCard | None = None
-        self._launch_rows: dict[int, tuple[QProgressBar, QLabel]] = {}
         self._build()
         session.changed.connect(self._sync_launch)
-        session.launch_step.connect(self._on_launch_step)
+        session.launch_step.connect(self.progress.show_step)
         fleet.changed.connect(self._fleet_changed)
         self._sync_spec()
         self._load_kinds()
@@ -129,79 +128,20 @@ class PlanView(QWidget):
         self.summary.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         root.addWidget(self.summary)
 
-        self.stage_box = QGroupBox("Peers in this plan")
-        self.stage_grid = QGridLayout(self.stage_box)
-        self.stage_grid.setHorizontalSpacing(12)
+        self.stage_box = StageTable()
+        self.stage_box.pin_requested.connect(self.pin)
+        self.stage_box.exclude_requested.connect(self.exclude)
+        self.stage_box.include_all_requested.connect(self.include_all)
         root.addWidget(self.stage_box)
 
         row = QHBoxLayout()
-        settings = QGroupBox("Engine settings")
-        form = QFormLayout(settings)
-        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.FieldsStayAtSizeHint)
-        self.context = QSpinBox(minimum=256, maximum=1_048_576, singleStep=1024, value=4096, suffix=" tokens")
-        self.streams = QSpinBox(minimum=1, maximum=64, value=4)
-        self.streams.setToolTip("Concurrent conversations; each keeps its own KV cache on every stage")
-        self.weights_box = QComboBox()
-        self.weights_box.setAccessibleName("Weight precision")
-        tips = {"auto": "The most precise precision at which this plan fits, starting at the model's own dtype",
-                "f32": "Full precision: 4 bytes a weight", "bf16": "16-bit brain float: 2 bytes a weight",
-                "fp16": "16-bit float: 2 bytes a weight", "int8": "8-bit weights (per-channel): 1 byte a weight",
-                "int4": "4-bit weights (grouped): half a byte a weight, for models bigger than the fleet's RAM"}
-        for label in client.WEIGHT_CHOICES:
-            self.weights_box.addItem(label, label)
-            self.weights_box.setItemData(self.weights_box.count() - 1, tips.get(label, label),
-                                         Qt.ItemDataRole.ToolTipRole)
-        self.weights_box.setToolTip("Weight precision of every shard: part of the plan (memory bars are at it)")
-        spec_row = QHBoxLayout()
-        self.spec_mode = QComboBox()
-        self.spec_mode.setAccessibleName("Speculative decoding")
-        for label, mode in (("Off", "off"), ("Draft model", "draft"), ("Prompt lookup", "lookup")):
-            self.spec_mode.addItem(label, mode)
-        self.spec_mode.setItemData(1, "A small draft model proposes K tokens; the target checks them in one "
-                                      "pass (answers are identical)", Qt.ItemDataRole.ToolTipRole)
-        self.spec_mode.setItemData(2, "Drafts from earlier text of the conversation: no model, pays off on "
-                                      "repetitive text", Qt.ItemDataRole.ToolTipRole)
-        self.draft_box = QComboBox()
-        self.draft_box.setEditable(True)
-        self.draft_box.setAccessibleName("Draft model")
-        self.draft_box.setToolTip("The draft model (it must share the target's tokenizer)")
-        self.draft_box.setMinimumContentsLength(12)
-        self.spec_k = QSpinBox(minimum=1, maximum=client.SPEC_MAX_K, value=4, prefix="K = ")
-        self.spec_k.setAccessibleName("Drafted tokens per step")
-        self.spec_k.setToolTip("Drafted tokens per step (the start value when adaptive)")
-        self.spec_adaptive = QCheckBox("adaptive")
-        self.spec_adaptive.setChecked(True)
-        self.spec_adaptive.setToolTip("Adapt K to the running acceptance rate")
-        for w in (self.spec_mode, self.draft_box, self.spec_k, self.spec_adaptive):
-            spec_row.addWidget(w)
-        spec_row.addStretch(1)
-        self.spec_mode.currentIndexChanged.connect(lambda _i: self._sync_spec())
-        self.recover = QCheckBox("Recover a lost stage (warm standby process)")
-        self.recover.setChecked(True)
-        self.recover.setToolTip("When a stage process dies, a standby takes over and every answer "
-                                "continues (engine/pipeline/recovery.py)")
-        self.cache_budget = QSpinBox(minimum=0, maximum=1_000_000, singleStep=256, value=0,
-                                     suffix=" MB", specialValueText="automatic (from free RAM)")
-        self.cache_budget.setToolTip("RAM for the MoE expert cache or the sparse neuron cache")
-        self.spec_reason = QLabel("", objectName="hint")
-        self.spec_reason.setWordWrap(True)
-        form.addRow("Context length", self.context)
-        form.addRow("Streams", self.streams)
-        weights_row = QHBoxLayout()
-        weights_row.addWidget(self.weights_box)
-        self.weights_used = QLabel("", objectName="muted")  # what "auto" resolved to, beside the choice
-        weights_row.addWidget(self.weights_used)
-        weights_row.addStretch(1)
-        form.addRow("Weights", weights_row)
-        form.addRow("Speculative decoding", spec_row)
-        form.addRow("", self.spec_reason)
-        form.addRow("Reliability", self.recover)
-        form.addRow("Cache budget", self.cache_budget)
-        self.context.valueChanged.connect(lambda _v: self._request_changed())
-        self.streams.valueChanged.connect(lambda _v: self._request_changed())
-        self.weights_box.currentIndexChanged.connect(lambda _i: self._request_changed())
+        self.settings = EngineSettings()
+        self.settings.spec_mode.currentIndexChanged.connect(lambda _i: self._sync_spec())
+        self.settings.context.valueChanged.connect(lambda _v: self._request_changed())
+        self.settings.streams.valueChanged.connect(lambda _v: self._request_changed())
+        self.settings.weights_box.currentIndexChanged.connect(lambda _i: self._request_changed())
         self._spec_ok, self._spec_why = client.speculative_available()
-        row.addWidget(settings, 1)
+        row.addWidget(self.settings, 1)
 
         launch = QGroupBox("Launch")
         ll = QVBoxLayout(launch)
@@ -220,8 +160,8 @@ class PlanView(QWidget):
         self.launch_reason = QLabel("", objectName="hint")
         self.launch_reason.setWordWrap(True)
         ll.addWidget(self.launch_reason)
-        self.progress_grid = QGridLayout()
-        ll.addLayout(self.progress_grid)
+        self.progress = LaunchProgress()
+        ll.addLayout(self.progress)
         ll.addStretch(1)
         row.addWidget(launch, 1)
         root.addLayout(row)
@@ -291,9 +231,10 @@ class PlanView(QWidget):
             return
         self.model, self.profile, self._this_pc = model, profile, pc
         self.checkpoint = model.checkpoint_precision
-        self.draft_box.clear()
-        self.draft_box.addItems(drafts)
-        self.context.setValue(min(self.context.value(), profile.max_context or self.context.value()))
+        self.settings.draft_box.clear()
+        self.settings.draft_box.addItems(drafts)
+        context = self.settings.context
+        context.setValue(min(context.value(), profile.max_context or context.value()))
         self.auto_plan()
 
     @property
@@ -312,41 +253,14 @@ class PlanView(QWidget):
     def peers(self) -> list:
         return [p for p in self.all_peers() if p.peer_id not in self.excluded]
 
-    def speculative_choice(self) -> client.SpecChoice | None:
-        mode = self.spec_mode.currentData()
-        if mode == "off" or not self.spec_mode.isEnabled():
-            return None
-        return client.SpecChoice(mode, self.spec_k.value(), self.spec_adaptive.isChecked(),
-                                 self.draft_box.currentText().strip() or None)
-
-    def _spec_blocker(self) -> str:
-        if not self._spec_ok:
-            return self._spec_why
-        if self.kind in ("moe", "sparse"):
-            return f"the {self.kind} engine has no speculative decoding (local dense and pipeline do)"
-        if self.kind == "pipeline" and self.on_fleet:
-            return "not passed to the fleet launcher yet: use it on this PC's pipeline or the local engine"
-        return ""
-
     def _sync_spec(self) -> None:
-        why = self._spec_blocker()
-        self.spec_mode.setEnabled(not why)
-        on = not why and self.spec_mode.currentData() != "off"
-        self.draft_box.setEnabled(on and self.spec_mode.currentData() == "draft")
-        self.spec_k.setEnabled(on)
-        self.spec_adaptive.setEnabled(on)
-        self.spec_mode.setToolTip(why or "Draft tokens cheaply and verify them in one pass of the model")
-        self.spec_reason.setVisible(bool(why) or self.spec_mode.currentData() != "off")
-        self.spec_reason.setText(f"Not available here: {why}" if why else
-                                 ("Lookup needs no model; answers are identical either way."
-                                  if self.spec_mode.currentData() == "lookup" else
-                                  "Answers are identical; the draft runs on this PC." if on else ""))
+        self.settings.show_spec(plan_rules.spec_blocker(self._spec_ok, self._spec_why, self.kind, self.on_fleet))
 
     def _where_changed(self) -> None:
         self.excluded.clear()
         self.stages_spin.setVisible(not self.on_fleet)
         self.stages_label.setVisible(not self.on_fleet)
-        self.recover.setEnabled(self.kind == "pipeline" and not self.on_fleet)
+        self.settings.recover.setEnabled(self.kind == "pipeline" and not self.on_fleet)
         self._sync_spec()
         self.auto_plan()
 
@@ -366,24 +280,22 @@ class PlanView(QWidget):
                 self.note = "The fleet changed; your edited plan is kept (Auto-plan to use the new peers)."
                 self._redraw()
 
-    def weights_choice(self) -> str:
-        """"auto" or a precision label (client.WEIGHT_CHOICES)."""
-        return self.weights_box.currentData() or "auto"
-
     def request(self):
-        return client.plan_request(self.context.value(), self.streams.value(), self.weights_choice())
+        settings = self.settings
+        return client.plan_request(settings.context.value(), settings.streams.value(), settings.weights_choice())
 
     def _on_kind_changed(self) -> None:
         local = self.kind in LOCAL_KINDS
         self.stages_spin.setEnabled(not local)
         self.where_box.setEnabled(not local)
         self.bar.setEnabled(not local)
-        self.weights_box.setEnabled(not local)
-        self.weights_box.setToolTip(f"The {self.kind} engine runs the model's own weights" if local else
-                                    "Weight precision of every shard: part of the plan (memory bars are at it)")
+        weights = self.settings.weights_box
+        weights.setEnabled(not local)
+        weights.setToolTip(f"The {self.kind} engine runs the model's own weights" if local else
+                           "Weight precision of every shard: part of the plan (memory bars are at it)")
         self._sync_weights_hint()
-        self.cache_budget.setEnabled(self.kind in ("moe", "sparse"))
-        self.recover.setEnabled(self.kind == "pipeline" and not self.on_fleet)
+        self.settings.cache_budget.setEnabled(self.kind in ("moe", "sparse"))
+        self.settings.recover.setEnabled(self.kind == "pipeline" and not self.on_fleet)
         self._sync_spec()
         self._sync_launch()
 
@@ -416,17 +328,7 @@ class PlanView(QWidget):
             task.failed.connect(lambda exc: self._fail(str(exc)))
             return
 
-        def plan():
-            best = client.auto_plan(model, peers, request)
-            if len(best.stages) >= n or n <= 1:
-                return best, ""
-            # Equal local stages: the planner's fewest-peers rule puts the model on one.
-            kept = client.balanced_plan(model, peers, request)
-            return kept, (f"The planner alone would use {len(best.stages)} of {n} stages "
-                          f"({best.predicted_tok_s:.0f} tok/s predicted); the layers are balanced "
-                          f"over all {n} so the pipeline runs as asked.")
-
-        task = self.runner.call(plan, name="auto-plan")
+        task = self.runner.call(lambda: plan_rules.local_stages_plan(model, peers, request, n), name="auto-plan")
         task.result.connect(lambda res: self._set_plan(res[0], res[1]))
         task.failed.connect(lambda exc: self._fail(str(exc)))
 
@@ -465,15 +367,9 @@ class PlanView(QWidget):
 
     def _set_plan(self, plan, note: str) -> None:
         self.plan, self.note = plan, note
-        self.error = "" if plan.fits else self._memory_reason(plan)
+        self.error = "" if plan.fits else plan_rules.memory_reason(
+            plan, self.model, self.peers(), self.request(), self.settings.weights_choice(), self.checkpoint)
         self._redraw()
-
-    def _memory_reason(self, plan) -> str:
-        issues = client.validate_plan(plan, self.model, self.peers(), self.request())
-        reason = "; ".join(i.message for i in issues) or "a stage does not fit its peer's memory"
-        if self.weights_choice() == "auto" and client.plan_precision(plan) != self.checkpoint:
-            reason = f"even with {client.plan_precision(plan)} weights, {reason}"
-        return reason
 
     def _fail(self, reason: str) -> None:
         self.error = reason
@@ -502,115 +398,31 @@ class PlanView(QWidget):
             self.summary.setText(f"<b>This plan cannot launch.</b> {self.error}")
         elif plan is not None:
             self.summary.setStyleSheet("")
+            weights = plan_rules.weights_text(plan, self.kind, self.checkpoint, self.settings.weights_choice())
             self.summary.setText(
                 f"<b>{plan.predicted_tok_s:.0f} tok/s</b> predicted for one stream, "
                 f"<b>{plan.predicted_aggregate_tok_s:.0f} tok/s</b> with {plan.streams} streams · "
                 f"bottleneck {plan.bottleneck_ms:.2f} ms/token · {len(plan.stages)} stage(s) over "
-                f"{self.model.num_layers} layers<br>{self.weights_text()}"
+                f"{self.model.num_layers} layers<br>{weights}"
                 + (f"<br><i>{self.note}</i>" if self.note else ""))
         else:
             self.summary.setStyleSheet("")
             self.summary.setText("")
-        self._fill_stages()
+        self.stage_box.fill(plan, self.peers(), self.excluded, self._peer_name)
         self._sync_weights_hint()
         self._sync_launch()
         self.plan_changed.emit()
 
     def _sync_weights_hint(self) -> None:
-        auto = self.plan is not None and self.weights_choice() == "auto" and self.kind not in LOCAL_KINDS
-        self.weights_used.setText(f"→ {client.plan_precision(self.plan)} for this plan" if auto else "")
-
-    def weights_text(self) -> str:
-        """What the summary says about the plan's weights: the precision it will run at, and why."""
-        if self.plan is None:
-            return ""
-        used = client.plan_precision(self.plan)
-        if self.kind in LOCAL_KINDS:
-            return f"Weights: the model's own ({self.checkpoint}) on the {self.kind} engine"
-        if self.weights_choice() == "auto":
-            why = ("the model's own precision" if used == self.checkpoint else
-                   f"the most precise at which this plan fits; the model's own {self.checkpoint} does not")
-            return f"Weights <b>{used}</b> (auto: {why}) · context {self.plan.context_length} tokens"
-        return f"Weights <b>{used}</b> (chosen) · context {self.plan.context_length} tokens"
-
-    def _fill_stages(self) -> None:
-        while self.stage_grid.count():
-            w = self.stage_grid.takeAt(0).widget()
-            if w is not None:
-                w.setParent(None)
-                w.deleteLater()
-        weights = f"{client.plan_precision(self.plan)} weights" if self.plan is not None else "weights"
-        for col, text in enumerate(["Peer", "Device", "Layers", f"Memory ({weights} + KV + reserves)",
-                                    "Predicted", ""]):
-            self.stage_grid.addWidget(QLabel(text, objectName="muted"), 0, col)
-        if self.plan is None:
-            return
-        peers = {p.peer_id: p for p in self.peers()}
-        for i, s in enumerate(self.plan.stages):
-            r = i + 1
-            swatch = QLabel(f"■ {self._peer_name(s.peer_id)}")
-            swatch.setStyleSheet(f"color: {style.stage_colour(i)}; font-weight: 600;")
-            device = QComboBox()
-            device.setAccessibleName(f"Device of {self._peer_name(s.peer_id)}")
-            for d in (peers[s.peer_id].devices if s.peer_id in peers else ()):
-                device.addItem(d.name)
-            device.setCurrentText(s.device)
-            device.activated.connect(lambda _i, pid=s.peer_id, box=device: self.pin(pid, box.currentText()))
-            mem = MemoryBar()
-            mem.set_values(s.resident_weight_bytes, s.kv_bytes, s.margin_bytes, s.ram_free_bytes, style.stage_colour(i))
-            excl = QPushButton("Exclude")
-            excl.setToolTip("Re-plan without this peer")
-            excl.setEnabled(len(self.plan.stages) > 1 or len(peers) > 1)
-            excl.clicked.connect(lambda _=False, pid=s.peer_id: self.exclude(pid))
-            for col, w in enumerate([swatch, device, QLabel(f"{s.start}–{s.end} ({s.num_layers})"), mem,
-                                     QLabel(f"{s.predicted_tok_s:.0f} tok/s"), excl]):
-                self.stage_grid.addWidget(w, r, col)
-        if self.excluded:
-            names = ", ".join(sorted(self._peer_name(p) for p in self.excluded))
-            back = QPushButton(f"Include {names} again")
-            back.clicked.connect(self.include_all)
-            self.stage_grid.addWidget(back, len(self.plan.stages) + 1, 0, 1, 3)
+        auto = self.plan is not None and self.settings.weights_choice() == "auto" and self.kind not in LOCAL_KINDS
+        self.settings.weights_used.setText(f"→ {client.plan_precision(self.plan)} for this plan" if auto else "")
 
     # -- launching -----------------------------------------------------------------------------
     def launch_blocker(self) -> str:
         """Why Launch is disabled ("" = it is enabled)."""
-        kind = self.kinds.get(self.kind)
-        if kind is None:
-            return "checking which engines are available…"
-        if not kind.available:
-            return f"{kind.label} is not available: {kind.reason}"
-        if self.session.state == OPENING:
-            return "a launch is in progress (Cancel stops it)"
-        if self.model is None:
-            return self.error or "no model yet"
-        if self.kind == "moe" and self.profile is not None and self.profile.experts is None:
-            return f"{self.spec} is dense: MoE offload needs a model with experts (try demo-moe)"
-        if self.kind in LOCAL_KINDS:
-            return ""
-        if self.plan is None or self.error:
-            return f"the plan is invalid: {self.error}" if self.error else "no plan yet"
-        if self.on_fleet:
-            return self._fleet_blocker()
-        if len({s.device for s in self.plan.stages}) > 1:
-            return "the local runner runs every stage on one device: pick the same device for all"
-        return ""
-
-    def _fleet_blocker(self) -> str:
-        if not self.fleet.launch_ok:
-            return self.fleet.launch_reason
-        cards = {c.peer_id: c for c in self.fleet.peers()}
-        gone = [s.peer_id for s in self.plan.stages if s.peer_id not in cards]
-        if gone:
-            return f"{len(gone)} peer(s) of this plan left the fleet: plan again"
-        unpaired = [cards[s.peer_id].name for s in self.plan.stages if not cards[s.peer_id].paired]
-        if unpaired:
-            return (f"pair {', '.join(dict.fromkeys(unpaired))} first (Fleet view → Pair…): "
-                    "an agent obeys paired controllers only")
-        busy = [f"{cards[s.peer_id].name} ({cards[s.peer_id].sharing})" for s in self.plan.stages
-                if cards[s.peer_id].sharing_now is False]
-        if busy:
-            return f"not sharing right now: {', '.join(dict.fromkeys(busy))}"
-        return ""
+        return plan_rules.launch_blocker(self.kind, self.kinds.get(self.kind), self.session.state == OPENING,
+                                         self.spec, self.model, self.profile, self.plan, self.error,
+                                         self.fleet if self.on_fleet else None)
 
     def _sync_launch(self) -> None:
         why = self.launch_blocker()
@@ -625,64 +437,29 @@ class PlanView(QWidget):
                                        + (f" ({self.session.plan_text})" if self.session.plan_text else ""))
         elif self.session.state == "failed":
             self.launch_reason.setText(f"Last launch failed: {self.session.error}")
-            for i, (bar, label) in self._launch_rows.items():
-                if i in self.session.refused:  # its agent said no: say why on its own row
-                    label.setText(f"refused: {self.session.refused[i]}")
-                    bar.setValue(0)
-                elif label.text() != "ready":
-                    label.setText("stopped")
-                    bar.setValue(0)
+            self.progress.show_failed(self.session.refused)
         else:
             self.launch_reason.setText("")
 
     def launch(self) -> None:
         if self.launch_blocker():
             return
-        self._clear_progress()
+        self.progress.clear_rows()
         if self.kind in LOCAL_KINDS:
-            budget = self.cache_budget.value() * 1_000_000 or None
-            settings = {"context_length": self.context.value(), "streams": self.streams.value(),
-                        "speculative": self.speculative_choice()} \
+            budget = self.settings.cache_budget.value() * 1_000_000 or None
+            settings = {"context_length": self.settings.context.value(), "streams": self.settings.streams.value(),
+                        "speculative": self.settings.speculative_choice()} \
                 if self.kind == "local" else {"cache_budget_bytes": budget}
             self.session.open(self.spec, self.kind, **settings)
             return
         plan = self.plan  # this very object is launched: what is drawn is what runs
         for i, s in enumerate(plan.stages):
-            bar = QProgressBar()
-            bar.setRange(0, 100)
-            bar.setTextVisible(False)
-            label = QLabel("waiting", objectName="muted")
-            label.setWordWrap(True)  # a refusal's why with its numbers can be long
-            self.progress_grid.addWidget(QLabel(f"{self._peer_name(s.peer_id)} ({s.start}–{s.end})"), i, 0)
-            self.progress_grid.addWidget(bar, i, 1)
-            self.progress_grid.addWidget(label, i, 2)
-            self._launch_rows[i] = (bar, label)
+            self.progress.add_stage(i, f"{self._peer_name(s.peer_id)} ({s.start}–{s.end})")
         if self.on_fleet:
             self.session.launch_fleet(self.spec, plan, self.fleet.peers())
             return
-        self.session.launch_pipeline(self.spec, plan, speculative=self.speculative_choice(),
-                                     recover=self.recover.isChecked())
-
-    def _clear_progress(self) -> None:
-        while self.progress_grid.count():
-            w = self.progress_grid.takeAt(0).widget()
-            if w is not None:
-                w.setParent(None)
-                w.deleteLater()
-        self._launch_rows = {}
-
-    def _on_launch_step(self, step: client.LaunchStep) -> None:
-        row = self._launch_rows.get(step.stage)
-        if row is None:
-            return
-        bar, label = row
-        bar.setValue({"waiting": 0, "transfer": 35, "compile": 70, "ready": 100}.get(step.phase, 0))
-        label.setText(f"{step.phase}: {step.message}" if step.phase not in ("waiting", "ready")
-                      else step.phase)
-
-    def launch_phases(self) -> list[str]:
-        """The phase text of every stage row (tests)."""
-        return [label.text() for _bar, label in self._launch_rows.values()]
+        self.session.launch_pipeline(self.spec, plan, speculative=self.settings.speculative_choice(),
+                                     recover=self.settings.recover.isChecked())
 
     def restyle(self) -> None:
         self._redraw()

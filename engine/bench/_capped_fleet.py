@@ -218,7 +218,9 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
     """Launch, generate, measure, tear down. Never raises for what it measures: errors are in
     the result ("error", per-stream "errors"), with whatever the groups recorded."""
     from engine.fleet.demo_mode import make_demo_root
-    from engine.fleet.launch import FleetSession, LaunchConfig, async_discover, async_pair_all, controller_keys
+    from engine.fleet.controller_setup import async_discover, async_pair_all, controller_keys
+    from engine.fleet.launch_config import LaunchConfig
+    from engine.fleet.session import FleetSession
 
     say = report or (lambda _line: None)
     root = make_demo_root()
@@ -260,7 +262,7 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
                 say(f"  caps set from the plan: " + ", ".join(
                     f"stage {st.index} {caps_set[st.peer.node_id] / 1e9:.2f} GB" for st in session.stages))
 
-        def on_stage(step: Any) -> None:  # engine.fleet.launch.StageProgress: fields, not words
+        def on_stage(step: Any) -> None:  # engine.fleet.launch_reports.StageProgress: fields, not words
             if step.phase == "export":
                 raise LauncherWouldExport(f"the launcher found no cached shard ({step.message}): it would "
                                           "export in the controller, outside any cap")

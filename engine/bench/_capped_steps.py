@@ -156,7 +156,7 @@ BASELINE_MODULES = {
     "export": ("torch", "transformers", "transformers.models.llama.modeling_llama", "openvino", "nncf",
                "engine.pipeline.export"),
     "forward": ("openvino", "engine.pipeline.shard_runtime"),
-    "agent": ("engine.fleet.agent",),
+    "agent": ("engine.fleet.agent", "engine.fleet.agent_process"),
     "worker": ("openvino", "engine.pipeline.worker"),
 }
 

@@ -27,7 +27,7 @@ from engine.runtime.generation import Generation, accept, finished
 from engine.local.batched import UNSUPPORTED as BATCHED_UNSUPPORTED
 from engine.local.batched import generation_config
 from engine.local.batched_worker import generation_config as genai_config
-from engine.serve.fields import engine_refusal
+from engine.core.refusal import engine_refusal
 from engine.scheduler.inbox import InboxEngine, refuse_waiting
 from engine.core.interface import EngineError, EngineInfo
 from engine.models.profile import engine_context

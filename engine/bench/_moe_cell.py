@@ -2,7 +2,7 @@
 
     python -m engine.bench._moe_cell '{"store_dir": ..., "sched": "bevy", "conc": 16, ...}'
 
-Prints one JSON line, [figures, io_info], the result of engine.bench.moe.one_run. With
+Prints one JSON line, [figures, io_info], the result of engine.bench._moe_runs.one_run. With
 "handshake": true in the cell it opens the engine first, prints READY, waits for GO on stdin
 (its parent caps the memory group in between: engine.sparse.baseline.run_capped_child)
 and prints {"figures": ..., "io_info": ...}."""
@@ -14,7 +14,7 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from engine.bench.moe import measure, one_run, open_engine
+    from engine.bench._moe_runs import measure, one_run, open_engine
 
     cell = json.loads(argv[0])
     if not cell.pop("handshake", False):

@@ -97,7 +97,7 @@ def split_streams(n: int, k: int) -> list[int]:
 
 
 class Replicas:
-    """k monolithic children (engine.bench.pipeline.Child, `setup_mono`) answering `run` together,
+    """k monolithic children (engine.bench._pipeline_child.Child, `setup_mono`) answering `run` together,
     with the same interface as one child."""
 
     def __init__(self, children: list) -> None:

@@ -5,7 +5,7 @@
 It opens the engine (the parent already built the store and the calibration), drops the
 checkpoint's pages from the page cache, prints READY and waits for GO while the parent caps
 its memory group (engine.sparse.baseline.run_capped_child: the same allowance the mmap
-baseline gets), decodes, and prints the figures of engine.bench.sparse.decode_run as JSON.
+baseline gets), decodes, and prints the figures of engine.bench._sparse_runs.decode_run as JSON.
 Under a cap set from its first byte with no budget given, the engine picks its cache budget
 itself (what a user gets); if no budget fits, the first line is {"error": "<its one line>"}."""
 
@@ -19,7 +19,7 @@ from pathlib import Path
 def main(argv: list[str]) -> int:
     import torch
 
-    from engine.bench.sparse import decode_run
+    from engine.bench._sparse_runs import decode_run
     from engine.sparse.baseline import drop_page_cache
     from engine.sparse.cache import BudgetError
     from engine.models.profile import DEFAULT_CONTEXT

@@ -53,20 +53,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
+
+from engine.bench._io_figures import io_figures, refuse_speedups, speedup_refusal
+from engine.bench._moe_models import demo_model, real_model, synthetic_model
+from engine.bench._moe_runs import CONTEXT, above_setup_cap, capped_above_setup, capped_run, disk_bandwidth, one_run
 
 NAME = "moe"
 HELP = "MoE expert offloading: Bevy scheduler vs on-demand, prefetch and all-resident"
 
 SCHEDULERS = ("bevy", "on_demand", "prefetch", "resident")
-PROMPTS = ["Once upon a time", "The robot walked into", "Tell me about the sea", "A small cat",
-           "In the morning the", "She opened the door and", "Why is the sky", "The old man said"]
-
-
 SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "synthetic", "demo")
 PAPER_SPEEDUP_VS_ON_DEMAND = 3.46  # the research result's Bevy over on-demand (DESIGN.md)
-CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + tokens fit)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,52 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of O_DIRECT")
 
 
-def io_figures(requested_direct: bool, infos: list[dict[str, Any]]) -> dict[str, Any]:
-    """The "io" record of a benchmark from the `io_info()` of every store it read through:
-    requested = this OS's unbuffered mode ("o_direct" on Linux, "no_buffering" on Windows,
-    "f_nocache" on macOS) or "buffered"; effective = that mode only if every store really
-    read unbuffered, else "buffered"."""
-    from engine.platform.pread import unbuffered_mode
-
-    reasons = [i["fallback_reason"] for i in infos if i.get("fallback_reason")]
-    modes = {i["effective"] for i in infos}
-    direct = requested_direct and bool(infos) and "buffered" not in modes and len(modes) == 1
-    return {"requested": unbuffered_mode() if requested_direct else "buffered",
-            "effective": modes.pop() if direct else "buffered",
-            "fallback_reason": reasons[0] if reasons else None}
-
-
-def speedup_refusal(io: dict[str, Any]) -> str | None:
-    """Why no speedup may be reported (unbuffered reads requested, not in effect), or None."""
-    from engine.platform.pread import LABELS
-
-    if io["requested"] != "buffered" and io["effective"] == "buffered":
-        return (f"{LABELS.get(io['requested'], io['requested'])} was requested but reads were buffered "
-                f"({io['fallback_reason'] or 'unknown reason'}): the figures include the page cache, "
-                "so no speedup is reported")
-    return None
-
-
-def refuse_speedups(figures: dict[str, Any], reason: str) -> None:
-    """Null every speedup figure (any key containing "speedup", at any depth, in lists too; goals are
-    targets and stay) and record why in `speedup_refused`."""
-    def walk(d: dict[str, Any]) -> None:
-        for k, v in d.items():
-            if k.startswith("goal"):
-                continue
-            if "speedup" in k:
-                d[k] = None
-            elif isinstance(v, dict):
-                walk(v)
-            elif isinstance(v, list):  # rows of a table (e.g. bench sparse's thresholds)
-                for item in v:
-                    if isinstance(item, dict):
-                        walk(item)
-
-    walk(figures)
-    figures["speedup_refused"] = reason
-
-
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.moe.store import ExpertStore, StoreConfig
 
@@ -158,11 +110,11 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                          "(use --shape synthetic)")
     t = time.time()
     if real:
-        setup = _real_model(args, report)
+        setup = real_model(args, report)
     elif demo_shape:
-        setup = _demo_model(args, report)
+        setup = demo_model(args, report)
     else:
-        setup = _synthetic_model(args, quick, report)
+        setup = synthetic_model(args, quick, report)
     store_dir, model_id = setup["store_dir"], setup["model_id"]
     report(f"model + expert store ready in {time.time() - t:.1f} s")
     store = ExpertStore(store_dir, StoreConfig(direct=not args.buffered))
@@ -170,7 +122,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     index = store.index
     budget = None if real else int(index.total_expert_bytes * args.cache_fraction)
     cap = setup.get("cap_bytes")
-    disks = [_disk_bandwidth(store)]  # measured again before every repeat (the disk is shared too)
+    disks = [disk_bandwidth(store)]  # measured again before every repeat (the disk is shared too)
     report(f"{len(index.blobs)} experts x {index.blob_bytes / 1e6:.2f} MB ({index.dtype}) = "
            f"{index.total_expert_bytes / 1e9:.2f} GB; "
            + (f"cap {cap / 1e9:.2f} GB (checkpoint {setup['checkpoint_bytes'] / 1e9:.2f} GB)" if real else
@@ -184,16 +136,16 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     cells: dict[tuple[str, int], list[dict[str, float]]] = {}
     for rep in range(repeats):
         if rep:
-            disks.append(_disk_bandwidth(store))
+            disks.append(disk_bandwidth(store))
         for conc in concs:
             order = scheds[rep % len(scheds):] + scheds[:rep % len(scheds)]  # rotate who goes first
             for sched in order:
                 cell = dict(store_dir=str(store_dir), model_id=model_id, sched=sched, budget=budget, conc=conc,
                             tokens=tokens, direct=not args.buffered)
                 if real:
-                    m, info = _capped_run(cell, cap)
+                    m, info = capped_run(cell, cap)
                 elif demo_shape:
-                    m, info = _capped_above_setup(cell, budget)
+                    m, info = capped_above_setup(cell, budget)
                 else:
                     m, info = one_run(**cell)
                 io_infos.append(info)
@@ -224,7 +176,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                  "max_usage_mb": round(max(r["group_max_usage_mb"] for runs in cells.values() for r in runs), 1),
                  "oom_kills": sum(r["oom_kills"] for runs in cells.values() for r in runs),
                  "context_per_request": CONTEXT} if real else
-                _above_setup_cap(cells, budget) if demo_shape else None),
+                above_setup_cap(cells, budget) if demo_shape else None),
         # o_direct: whether unbuffered reads (O_DIRECT on Linux) were in effect, not whether asked for
         "io": io_rec, "o_direct": io_rec["effective"] != "buffered", "disk_mb_s": round(disk / 1e6, 1),
         "disk_mb_s_per_repeat": [round(d / 1e6, 1) for d in disks],
@@ -295,178 +247,6 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             shutil.rmtree(folder, ignore_errors=True)
         report("deleted the checkpoint and its expert store (--delete-after)")
     return out
-
-
-def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: int, direct: bool):
-    """The engine of one run. budget None: the engine's own (what this process's memory leaves)."""
-    from engine.moe.engine import MoEConfig, MoEEngine
-
-    cfg = MoEConfig(scheduler=sched, cache_budget_bytes=budget, direct_io=direct, max_concurrent=conc,
-                    context_length=CONTEXT)
-    return MoEEngine(store_dir, model_id, cfg)
-
-
-def one_run(store_dir, model_id: str, sched: str, budget: int | None, conc: int, tokens: int,
-            direct: bool) -> tuple[dict[str, float], dict[str, Any]]:
-    """(figures of one run, the io_info() of the store its engine read through)."""
-    return measure(open_engine(store_dir, model_id, sched, budget, conc, direct), sched, conc, tokens)
-
-
-def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float], dict[str, Any]]:
-    """Run conc requests of `tokens` tokens through an open engine, then close it."""
-    from engine.protocol.messages import GenerateRequest, SamplingParams
-
-    try:
-        reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
-                                sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(conc) as pool:
-            finals = list(pool.map(lambda r: list(engine.stream(engine.submit(r)))[-1], reqs))
-        wall = time.perf_counter() - t0
-        st = engine.stats()
-        io_info = engine.store.io_info()
-        cache_budget = engine.memory["cache_budget_bytes"]
-    finally:
-        engine.close()
-    for f in finals:
-        if f.error:
-            raise RuntimeError(f"{sched}: request failed: {f.error}")
-    out_tokens = sum(f.usage.completion_tokens for f in finals)
-    tpot = [(f.timings.total_s - f.timings.ttft_s) / (f.usage.completion_tokens - 1)
-            for f in finals if f.usage.completion_tokens > 1]
-    return {"tok_s": out_tokens / wall, "s_per_token": wall / out_tokens,
-            "tpot_s": statistics.mean(tpot) if tpot else 0.0, "hit_rate": st["hit_rate"],
-            "mb_per_token": st["bytes_read"] / 1e6 / out_tokens, "mean_group": st["mean_group"],
-            "mean_batch": st["mean_batch"],
-            "disk_mb_s_busy": st["bytes_read"] / 1e6 / st["io_busy_s"] if st["io_busy_s"] else 0.0,
-            "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall,
-            "compute_s_per_token": st["compute_s"] / out_tokens, "cache_budget_mb": cache_budget / 1e6}, io_info
-
-
-def _capped_run(cell: dict[str, Any], cap: int) -> tuple[dict[str, float], dict[str, Any]]:
-    """one_run in a child process inside a memory group capped at `cap` bytes; its figures
-    plus the group's peak, limit hits and OOM kills and the child's anonymous peak."""
-    import json
-    import subprocess
-    import sys
-
-    from engine.bench._cgroup import MemoryGroup, PeakSampler
-
-    argv = [sys.executable, "-m", "engine.bench._moe_cell", json.dumps(cell)]
-    with MemoryGroup(f"moe-{cell['sched']}-{cell['conc']}", cap) as group:
-        proc = group.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        with PeakSampler(group, interval=0.2) as sampler:
-            out, err = proc.communicate(timeout=3600)
-        stats = group.stats()
-    if proc.returncode != 0 or not out.strip():
-        why = "OOM-killed" if stats.oom_kills else f"exit {proc.returncode}"
-        raise RuntimeError(f"{cell['sched']} c={cell['conc']} under a {cap / 1e6:.0f} MB cap: {why}: "
-                           f"{' '.join(err.split())[-600:]}")
-    m, info = json.loads(out.strip().splitlines()[-1])
-    peak = max((p.rss_anon_peak_bytes for p in sampler.peaks()), default=0)
-    m.update(group_max_usage_mb=stats.max_usage_bytes / 1e6, failcnt=stats.failcnt, oom_kills=stats.oom_kills,
-             rss_anon_peak_mb=peak / 1e6)
-    return m, info
-
-
-def _capped_above_setup(cell: dict[str, Any], budget: int) -> tuple[dict[str, float], dict[str, Any]]:
-    """one_run in a child whose memory group is capped, once its engine is set up, at its
-    usage then + 16 MiB + the cache budget (the sparse bench's rule for tiny models)."""
-    import json
-
-    from engine.sparse.baseline import run_capped_child
-
-    r = run_capped_child(["engine.bench._moe_cell", json.dumps({**cell, "handshake": True})], budget,
-                         what=f"{cell['sched']} c={cell['conc']}")
-    m = r["figures"]
-    m.update(group_max_usage_mb=r["max_usage_bytes"] / 1e6, group_limit_mb=r["cgroup_limit_bytes"] / 1e6,
-             setup_usage_mb=r["setup_usage_bytes"] / 1e6, oom_kills=r["oom_kills"])
-    return m, r["io_info"]
-
-
-def _above_setup_cap(cells: dict, budget: int) -> dict[str, Any]:
-    runs = [r for rs in cells.values() for r in rs]
-    return {"rule": "above_setup: each run's memory group is capped, once its engine is set up, at the "
-                    "usage then + 16 MiB + the cache budget",
-            "cache_budget_mb": round(budget / 1e6, 3),
-            "max_over_setup_mb": round(max(r["group_max_usage_mb"] - r["setup_usage_mb"] for r in runs), 1),
-            "oom_kills": sum(r["oom_kills"] for r in runs), "context_per_request": CONTEXT}
-
-
-def _demo_model(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
-    from engine.bench._checkpoint import checkpoint_bytes
-    from engine.models.demo import is_demo_id
-    from engine.models.ref import resolve_model
-    from engine.moe.convert import ensure_store
-
-    if not is_demo_id(args.model):
-        raise SystemExit(f"--model {args.model}: not a demo id")
-    resolved = resolve_model(args.model)
-    return {"store_dir": ensure_store(resolved.path, resolved.fingerprint), "model_id": args.model,
-            "checkpoint_bytes": checkpoint_bytes(resolved.path)}
-
-
-def _synthetic_model(args: argparse.Namespace, quick: bool, report: Callable[[str], None]) -> dict[str, Any]:
-    from engine.bench._checkpoint import checkpoint_bytes
-    from engine.models.demo import ensure_recipe
-    from engine.moe.convert import ensure_store
-    from engine.moe.recipes import bench_recipe
-
-    recipe = bench_recipe(args.layers or (16 if quick else 24), args.experts or (32 if quick else 64),
-                          args.hidden, args.expert_inter)
-    report(f"building {recipe.demo_id} (first run only)")
-    path = ensure_recipe(recipe)
-    return {"store_dir": ensure_store(path, recipe.fingerprint()), "model_id": recipe.demo_id,
-            "checkpoint_bytes": checkpoint_bytes(path)}
-
-
-def real_spec(shape: str, layers: int | None):
-    """The checkpoint spec of a published shape with `layers` decoder layers."""
-    from engine.bench._checkpoint import MIXTRAL_8X7B, QWEN3_30B_A3B
-
-    base = {"qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B}[shape]
-    n = layers or (4 if shape == "qwen3-30b-a3b" else 2)
-    return base.scaled(name=f"{base.name}-{n}l", num_layers=n)
-
-
-def _real_model(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
-    from engine.bench._cgroup import require_v1
-    from engine.bench._checkpoint import checkpoint_bytes, ensure_checkpoint
-    from engine.models.ref import resolve_model
-    from engine.moe.convert import ensure_store
-
-    require_v1()  # no cap, no figures: never run uncapped
-    spec = real_spec(args.shape, args.layers)
-    path = ensure_checkpoint(spec, report=report)
-    ckpt = checkpoint_bytes(path)
-    resolved = resolve_model(str(path))
-    t = time.time()
-    store_dir = ensure_store(path, resolved.fingerprint, lambda m, f: report(f"  {m}") if f >= 1 else None)
-    report(f"expert store ready in {time.time() - t:.0f} s: {store_dir}")
-    return {"store_dir": store_dir, "model_id": spec.name, "checkpoint_bytes": ckpt, "checkpoint": path,
-            "cap_bytes": int(ckpt * args.cap_fraction)}
-
-
-def _disk_bandwidth(store, n: int = 96, threads: int = 4) -> float:
-    """Bytes/s reading random blobs with the engine's reader (the store's io_mode, thread pool)."""
-    import random
-
-    from engine.moe.store import aligned_buffer
-
-    import threading
-
-    keys = random.Random(0).sample(store.keys, min(n, len(store.keys)))
-    local = threading.local()  # one aligned buffer per reader thread
-
-    def read(key) -> None:
-        if not hasattr(local, "buf"):
-            local.buf = aligned_buffer(store.index.blob_bytes)
-        store.read_into(key, local.buf)
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(read, keys))
-    return len(keys) * store.index.blob_bytes / (time.perf_counter() - t)
 
 
 def plot(figures: dict[str, Any], out_png: str) -> None:

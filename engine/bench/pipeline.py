@@ -41,18 +41,14 @@ interleaving gain (N streams / 1 stream) are reported.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.bench._pipeline_child import Child
 from engine.bench._replicas import Replicas, pinned_process, pinning_record, plan_pinning, ratios, taskset_prefix
 
 NAME = "pipeline"
@@ -64,7 +60,6 @@ PROFILES = {  # name -> one-way delay per hop (ms), rate limit (Mbit/s) or None
     "wifi": (2.5, 300.0),
     "wan100": (100.0, None),
 }
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,93 +80,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"network profiles for the full run (default: {','.join(PROFILES)}; 'none' skips)")
     p.add_argument("--net-tokens", type=int, default=None, help="tokens per stream under a network profile "
                                                                 "(default 8 for wan100, else --tokens)")
-
-
-# -- the parent side ---------------------------------------------------------------------------------
-
-
-class Child:
-    """A helper process answering one JSON command per line (see _child_main)."""
-
-    def __init__(self, prefix: list[str], spec: dict, log_path: Path):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        cmd = [*prefix, sys.executable, "-c", "from engine.bench.pipeline import _child_main; _child_main()"]
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     env=env, cwd=str(REPO_ROOT), start_new_session=True, text=True)
-        try:
-            self.setup = self.ask(spec)  # the first command sets the child up; it answers when loaded
-        except BaseException:
-            self.close()
-            raise
-
-    def ask(self, cmd: dict) -> dict:
-        self.send(cmd)
-        return self.recv()
-
-    def send(self, cmd: dict) -> None:
-        assert self.proc.stdin
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def recv(self) -> dict:
-        assert self.proc.stdout
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=10)
-            raise RuntimeError(f"benchmark child exited ({self.proc.returncode}); log: {self.log_path}\n"
-                               + _tail(self.log_path))
-        answer = json.loads(line)
-        if "error" in answer:
-            raise RuntimeError(f"benchmark child: {answer['error']} (log: {self.log_path})")
-        return answer
-
-    def close(self) -> None:
-        """Ask the child to quit (it stops what it started), then make sure it is gone.
-
-        Never waits for an answer: close() also runs when a command was interrupted.
-        The child's workers and relays exit by themselves when the child is gone.
-        """
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self.proc.stdin.close()  # EOF: the child tears down after its current command
-            except (OSError, ValueError):
-                pass
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        _stop_group(self.proc)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
-def _stop_group(proc: subprocess.Popen, grace: float = 3.0) -> None:
-    """SIGTERM the process group (its own session), then SIGKILL what is left."""
-    if proc.poll() is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
@@ -350,201 +258,3 @@ def _profile_in_lab(profile: str, delay: float, rate: float | None, nodes: list[
             "interleaving_gain": {n: round(v / tok_s["1"], 3) for n, v in tok_s.items()} if "1" in tok_s else {},
             "pinning": {"coordinator": ring.setup["affinity"], "relays": ring.setup["affinity"],
                         "stages": ring.setup["stage_affinity"]}}
-
-
-# -- the child side ----------------------------------------------------------------------------------
-
-
-def _child_main() -> None:
-    """Serve JSON commands on stdin; answers go to the original stdout, everything else to stderr."""
-    import logging
-
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    state: dict[str, Any] = {}
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            answer = _handle(state, cmd)
-        except Exception as e:  # reported to the parent, which raises
-            import traceback
-
-            traceback.print_exc()
-            answer = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(answer) + "\n")
-        out.flush()
-        if cmd.get("cmd") == "quit":
-            break
-    _teardown(state)
-
-
-def _handle(state: dict, cmd: dict) -> dict:
-    kind = cmd["cmd"]
-    if kind == "setup_mono":
-        from engine.pipeline.shard_runtime import ShardRunner
-
-        state["mono"] = ShardRunner(Path(cmd["shard"]), cache_dir=Path(cmd["blobs"]),
-                                    config={"INFERENCE_NUM_THREADS": int(cmd["threads"])})
-        return {"ok": True, "affinity": sorted(os.sched_getaffinity(0))}
-    if kind == "setup_ring":
-        _setup_ring(state, cmd)
-        return {"ok": True, "affinity": sorted(os.sched_getaffinity(0)),
-                "stage_affinity": [sorted(os.sched_getaffinity(p.pid)) for p in state["stages"]]}
-    if kind == "run":
-        if "mono" in state:
-            return _run_mono(state["mono"], cmd["streams"], cmd["tokens"], cmd["prompts"])
-        return _run_ring(state["engine"], cmd["streams"], cmd["tokens"], cmd["prompts"])
-    if kind == "stats":
-        eng = state.get("engine")
-        if eng is None:
-            return {}
-        st = eng.stats
-        return {"stage_ms_mean": [round(ms / max(1, st.steps), 3) for ms in st.stage_ms], "steps": st.steps}
-    if kind == "quit":
-        _teardown(state)
-        return {"ok": True}
-    raise ValueError(f"unknown command {kind!r}")
-
-
-def _run_mono(runner, n: int, tokens: int, prompts: list[list[int]]) -> dict:
-    """N greedy streams round-robin on one compiled whole model (prefill + decode timed)."""
-    import numpy as np
-
-    streams = [runner.new_stream() for _ in range(n)]
-    ids = [list(prompts[i % len(prompts)]) for i in range(n)]
-    past = [0] * n
-    counts = [0] * n
-    t0 = time.monotonic()  # CLOCK_MONOTONIC: comparable across the data-parallel replicas
-    feed_ids = ids
-    for _ in range(tokens):
-        nxt = []
-        for i, s in enumerate(streams):
-            x = np.array([feed_ids[i]], np.int64)
-            k = x.shape[1]
-            out = s.run({"input_ids": x, "attention_mask": np.ones((1, past[i] + k), np.int64),
-                         "position_ids": np.arange(past[i], past[i] + k, dtype=np.int64)[None]})
-            past[i] += k
-            counts[i] += 1
-            nxt.append([int(out["next_token"][0, -1])])
-        feed_ids = nxt
-    t1 = time.monotonic()
-    wall = t1 - t0
-    return {"tok_s": sum(counts) / wall, "wall_s": wall, "min_tokens": min(counts), "max_tokens": max(counts),
-            "tokens": sum(counts), "t0": t0, "t1": t1}
-
-
-def _run_ring(engine, n: int, tokens: int, prompts: list[str]) -> dict:
-    from engine.protocol.messages import GenerateRequest, SamplingParams
-
-    reqs = [GenerateRequest(f"b{time.monotonic_ns()}-{i}", prompt=prompts[i % len(prompts)],
-                            sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(n)]
-    finals: list[Any] = [None] * n
-
-    def drain(i: int, rid: str) -> None:
-        last = None
-        for ev in engine.stream(rid):
-            last = ev
-        finals[i] = last
-
-    t0 = time.perf_counter()
-    ids = [engine.submit(r) for r in reqs]
-    threads = [threading.Thread(target=drain, args=(i, rid)) for i, rid in enumerate(ids)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    for f in finals:
-        if f is None or f.error:
-            raise RuntimeError(f"a pipeline request failed: {getattr(f, 'error', 'no answer')}")
-    counts = [f.usage.completion_tokens for f in finals]
-    return {"tok_s": sum(counts) / wall, "wall_s": wall, "min_tokens": min(counts), "max_tokens": max(counts)}
-
-
-def _setup_ring(state: dict, cmd: dict) -> None:
-    """Start the relays (network profiles), the 2 pinned stage workers and the coordinator."""
-    from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    log_dir = Path(cmd["log_dir"])
-    procs: list[subprocess.Popen] = state.setdefault("procs", [])
-    hosts = cmd.get("stage_hosts") or [cmd["host"]] * len(cmd["shards"])
-    links = []
-    for i, (shard, (start, end), core) in enumerate(zip(cmd["shards"], cmd["ranges"], cmd["cores"])):
-        argv = [*cmd["stage_prefix"][i], "taskset", "-c", str(core), sys.executable, "-m", "engine.pipeline.worker",
-                "--shard", shard, "--bind", f"tcp://{hosts[i]}:*", "--name", f"stage {i}",
-                "--threads", str(cmd["threads"]), "--cache-dir", cmd["blobs"], "--parent-pid", str(os.getpid())]
-        log_path = log_dir / f"stage-{i}-{os.getpid()}.log"
-        with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, env=env,
-                                    cwd=str(REPO_ROOT), start_new_session=True)
-        procs.append(proc)
-        state.setdefault("stages", []).append(proc)
-        endpoint = _read_endpoint(proc, log_path)
-        links.append(StageLink(i, start, end, endpoint, proc=proc, log_path=log_path))
-    pcfg = dict(max_concurrent=int(cmd["max_concurrent"]), return_bind=f"tcp://{cmd['coord_host']}:*",
-                ready_timeout_s=300.0, ping_timeout_s=120.0)
-    relays = cmd.get("relays")
-    if relays:
-        # Each node's inbound sockets sit behind a delaying relay in its own namespace:
-        # the coordinator and the previous stage dial the relay, never the worker itself.
-        for i, link in enumerate(links):
-            link.endpoint = _start_relay(state, relays["prefix"][f"s{i}"], link.endpoint, relays["delay_ms"],
-                                         log_dir, env)
-        import zmq
-
-        probe = zmq.Context.instance().socket(zmq.ROUTER)  # reserve the return port, then hand it over
-        port = probe.bind_to_random_port(f"tcp://{cmd['coord_host']}")
-        probe.close(0)
-        real = f"tcp://{cmd['coord_host']}:{port}"
-        pcfg["return_bind"] = real
-        pcfg["return_endpoint"] = _start_relay(state, relays["prefix"]["c"], real, relays["delay_ms"], log_dir, env)
-    engine = PipelineEngine(links, Path(cmd["model_path"]), cmd["model_id"], PipelineConfig(**pcfg))
-    state["engine"] = engine
-
-
-def _start_relay(state: dict, prefix: list[str], target: str, delay_ms: float, log_dir: Path, env: dict) -> str:
-    """A delaying TCP relay next to `target` (same host, another port); returns its endpoint."""
-    host, port = target.removeprefix("tcp://").rsplit(":", 1)
-    argv = [*prefix, sys.executable, "-m", "engine.bench._netns", "relay", "--listen", f"{host}:0",
-            "--to", f"{host}:{port}", "--delay-ms", str(delay_ms)]
-    log_path = log_dir / f"relay-{host}-{port}.log"
-    with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, env=env,
-                                cwd=str(REPO_ROOT), start_new_session=True)
-    state.setdefault("procs", []).append(proc)
-    return _read_endpoint(proc, log_path)
-
-
-def _read_endpoint(proc: subprocess.Popen, log_path: Path, timeout: float = 120.0) -> str:
-    """The first stdout line of a worker or relay: {"endpoint": ...}."""
-    import select
-
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    buf = b""
-    while b"\n" not in buf:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError(f"process {proc.pid} reported no address within {timeout:.0f} s (log: {log_path})")
-        ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.2))
-        if ready:
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(f"process {proc.pid} exited while starting (log: {log_path})\n{_tail(log_path)}")
-            buf += chunk
-    proc.stdout.close()
-    return str(json.loads(buf.split(b"\n")[0])["endpoint"])
-
-
-def _teardown(state: dict) -> None:
-    engine = state.pop("engine", None)
-    if engine is not None:
-        try:
-            engine.close()
-        except Exception:
-            pass
-    for proc in reversed(state.pop("procs", [])):
-        _stop_group(proc)

@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # config dir is one `flotilla demo` made (engine/fleet/demo_mode.py says why that is safe).
     p.add_argument("--demo-auto-pair", action="store_true", help=argparse.SUPPRESS)
     # Started by the tray or `flotilla demo` with stdin a pipe: stop cleanly when it ends (they close
-    # it to stop us, and it also ends when they die). The same on every OS (engine/fleet/agent.py).
+    # it to stop us, and it also ends when they die). The same on every OS (engine/fleet/agent_process.py).
     p.add_argument("--stdin-lifeline", action="store_true", help=argparse.SUPPRESS)
     # Started by the app's tray: once serving, write one AgentUp JSON line (its ports) on stdout, and
     # point fd 1 at stderr for everything else, so no library's print can be taken for it.
@@ -89,7 +89,8 @@ def _announce_stream() -> Any:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from engine.fleet.agent import AgentConfig, run_agent, setup_logging
+    from engine.fleet.agent_config import AgentConfig
+    from engine.fleet.agent_process import run_agent, setup_logging
     from engine.fleet.discovery import DEFAULT_BASE_PORT
     from engine.fleet.idle import idle_source_from_spec
     from engine.fleet.mdns import DEFAULT_TTL_S, resolve_interfaces

@@ -142,7 +142,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     agents = None
     engine = None
     try:
-        from engine.fleet.launch import controller_keys
+        from engine.fleet.controller_setup import controller_keys
 
         keys = controller_keys(root / "controller")
         agents = _Agents(root, keys.public)
@@ -177,7 +177,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, keys, agents: _Agents, t0: float) -> dict:
     from engine import aio
     from engine.cli.progress import TerminalProgress
-    from engine.fleet.launch import LaunchConfig, async_discover, async_pair_all, launch_fleet
+    from engine.fleet.controller_setup import async_discover, async_pair_all
+    from engine.fleet.launch import launch_fleet
+    from engine.fleet.launch_config import LaunchConfig
     from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 
     agent_keys = agents.public_keys()

@@ -233,7 +233,7 @@ class _Selftest:
 
     def mdns(self) -> str:
         from engine import aio
-        from engine.fleet.launch import async_discover
+        from engine.fleet.controller_setup import async_discover
 
         keys = {a.public_key for a in self.agents}
         found = aio.run(async_discover(["127.0.0.1"], keys=keys, timeout=min(self.args.timeout, 30.0)))
@@ -245,7 +245,7 @@ class _Selftest:
     def pair(self) -> str:
         from engine import aio
         from engine.fleet.client import async_pair
-        from engine.fleet.launch import controller_keys
+        from engine.fleet.controller_setup import controller_keys
         from engine.transport.security import pairing_code
 
         self.keys = controller_keys(self.root / "controller")
@@ -286,7 +286,8 @@ class _Selftest:
         return "; ".join(out)
 
     def launch(self) -> str:
-        from engine.fleet.launch import LaunchConfig, launch_fleet
+        from engine.fleet.launch import launch_fleet
+        from engine.fleet.launch_config import LaunchConfig
 
         cfg = LaunchConfig(model="demo", stages=AGENTS, max_concurrent=1, controller_host="127.0.0.1")
         self.engine = launch_fleet(self.keys, self.peers, cfg)

@@ -16,6 +16,7 @@ from engine.client.settings import config_dir, load_sharing_policy
 from engine.core.interface import Engine, EngineError
 
 if TYPE_CHECKING:
+    from engine.fleet.launch_reports import StageProgress
     from engine.pipeline.plan import Plan
     from engine.transport.security import KeyPair
 
@@ -328,10 +329,11 @@ def pair_peer(card: PeerCard, progress: Progress | None = None, cancel: threadin
 def fleet_launch_available() -> tuple[bool, str]:
     """Can the app launch a pipeline on fleet agents (engine/fleet/launch.py)?"""
     try:
-        mod = importlib.import_module("engine.fleet.launch")
+        where = {n: importlib.import_module(m) for n, m in (("FleetSession", "engine.fleet.session"),
+                                                            ("LaunchConfig", "engine.fleet.launch_config"))}
     except Exception as e:
         return False, f"the fleet launcher (engine/fleet/launch.py) is not available: {one_line(e)}"
-    missing = [n for n in ("FleetSession", "LaunchConfig") if not hasattr(mod, n)]
+    missing = [n for n, mod in where.items() if not hasattr(mod, n)]
     if missing:
         return False, f"the fleet launcher lacks {', '.join(missing)}"
     return True, ""
@@ -349,7 +351,8 @@ def launch_fleet(spec: str, plan: Plan, cards: Sequence[PeerCard],
     CURVE PipelineEngine wired. Blocking; per-stage LaunchStep like
     launch_pipeline. Setting `cancel` stops at the next step (everything
     started is unloaded) with LaunchCancelled."""
-    from engine.fleet import launch as fl
+    from engine.fleet.launch_config import LaunchConfig
+    from engine.fleet.session import FleetSession
 
     by_id = {c.peer_id: c for c in cards}
     missing = [s.peer_id for s in plan.stages if s.peer_id not in by_id or by_id[s.peer_id].handle is None]
@@ -366,7 +369,7 @@ def launch_fleet(spec: str, plan: Plan, cards: Sequence[PeerCard],
         if cancel.is_set():
             raise LaunchCancelled("launch cancelled")
 
-    def on_stage(p: "fl.StageProgress") -> None:
+    def on_stage(p: StageProgress) -> None:
         if not 0 <= p.stage < n:
             return
         if p.phase == "start":
@@ -375,9 +378,9 @@ def launch_fleet(spec: str, plan: Plan, cards: Sequence[PeerCard],
             done = {"send": p.fraction, "have": 1.0}.get(p.phase, 0.0)
             report(LaunchStep(p.stage, "transfer", 0.4 * done, p.message))
 
-    cfg = fl.LaunchConfig(model=spec, stages=n, weights=plan.weight_precision, context_length=plan.context_length,
-                          max_concurrent=plan.streams)
-    session = fl.FleetSession(_controller_keys(), peers, cfg, progress, plan=plan, on_stage=on_stage)
+    cfg = LaunchConfig(model=spec, stages=n, weights=plan.weight_precision, context_length=plan.context_length,
+                       max_concurrent=plan.streams)
+    session = FleetSession(_controller_keys(), peers, cfg, progress, plan=plan, on_stage=on_stage)
     try:
         engine = session.launch()
     except LaunchCancelled:

@@ -5,7 +5,7 @@ Where requests can pile up, and what bounds each place:
 - Engine.submit() (engine/core/interface.py): at most `engine.max_pending`
   requests running + queued (default DEFAULT_MAX_PENDING); one more raises
   EngineOverloaded(retry_after_s). The HTTP API answers it with 429 and a
-  Retry-After header (engine/serve/api.py); the chat UI shows engine.load()
+  Retry-After header (engine/serve/engine_calls.py); the chat UI shows engine.load()
   (running / queued) and can say "3 requests ahead of you".
 - Inside an engine: at most max_concurrent requests hold KV state; the rest
   wait in the engine's admission queue (bounded by max_pending above).

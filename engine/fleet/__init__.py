@@ -9,10 +9,21 @@
   shards.py     shard store: resumable, hash-verified chunked receive
   workers.py    shard worker child processes
   agent.py      the agent: info/pairing/control sockets, policy enforcement
+  agent_config.py   what an agent is started with (AgentConfig)
+  agent_process.py  the agent as a process: log file, run_agent, stop signals, stdin lifeline
   client.py     the controller's side of the control plane
   curve_data.py CURVE on the pipeline's data plane (worker/coordinator keys, ZAP allow-lists)
   bundle.py     one deterministic tar per shard folder, for the shard store; safe unpack
   launch.py     the fleet launcher: peers -> plan -> shards -> workers -> PipelineEngine
+                (launch_fleet; its docstring lists the modules below)
+  launch_config.py    LaunchConfig
+  launch_reports.py   what a launch reports: progress, StageProgress, FleetEvent
+  controller_setup.py the controller's key pair and address; finding and pairing agents
+  session.py          FleetSession: one pipeline's agents, shards, workers and events
+  launch_plan.py      the launch's plan step (peer_profile, peer_links, LaunchPlanning)
+  launch_errors.py    agents' refusals of stages as StageRefused / FleetError
+  ring_stage.py       one stage of the ring and its worker's handle
+  ring_provider.py    FleetRingProvider: recovery's re-plan onto a spare agent or this PC
   demo_mode.py  the gate that lets `flotilla demo` pair its own agents unattended
 
 docs/fleet.md explains discovery, pairing, the threat model and the ports.

@@ -24,11 +24,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import logging.handlers
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +34,17 @@ import zmq.asyncio
 
 from engine import __version__
 from engine.fleet import sysinfo
-from engine.fleet.discovery import DEFAULT_BASE_PORT, INFO_OFFSET, PAIR_OFFSET
-from engine.fleet.idle import IdleSource, default_idle_source
+from engine.fleet.agent_config import AgentConfig
+from engine.fleet.discovery import INFO_OFFSET, PAIR_OFFSET
+from engine.fleet.idle import default_idle_source
 from engine.fleet.identity import NodeIdentity
-from engine.fleet.mdns import DEFAULT_TTL_S, MdnsAdvertiser, open_zeroconf
-from engine.fleet.paths import config_dir, data_dir, ensure_private_dir
+from engine.fleet.mdns import MdnsAdvertiser, open_zeroconf
+from engine.fleet.paths import ensure_private_dir
 from engine.fleet.policy import GB, MachineProbe, MachineState, SharingPolicy, check_start, evaluate
 from engine.transport.security import (CONTROL_DOMAIN, PAIR_DOMAIN, FleetAuthenticator, PairingBook,
                                    curve_server)
 from engine.fleet.shards import NoRoom, ShardStore
-from engine.fleet.workers import (STOP_GRACE_S, LaunchOptions, Worker, WorkerSupervisor,
-                                  pipeline_worker_command)
+from engine.fleet.workers import STOP_GRACE_S, LaunchOptions, Worker, WorkerSupervisor
 from engine.protocol.codec import MAX_MESSAGE_BYTES, decode, encode
 from engine.protocol.control import (AgentEvent, AgentInfo, AgentUp, ChunkReply, ChunkRequest, InfoReply,
                                      InfoRequest, LoadReply, LoadRequest, PairReply, PairRequest,
@@ -58,47 +55,12 @@ from engine.protocol.messages import ErrorReply
 from engine.protocol.version import PROTOCOL_VERSION
 
 log = logging.getLogger("flotilla.agent")
-POLL_S = 0.5  # machine poll; with the 0.6 s stop grace a yield takes < 2 s
 YIELD_S = 2.0  # the promise: workers gone this long after the user's return (hand-over grace included)
 RAM_STEP = 256 * 1024 * 1024  # re-announce when free RAM moves by more than this
 MIN_ANNOUNCE_S = 2.0  # ...but not more often than this (idle flips go out at once)
 CONTROLLER_TTL_S = 3600.0  # push events to controllers heard from within this
 MAX_CONTROLLERS = 64
 REPLAY_WINDOW = 1024  # request ids remembered per controller key
-
-
-@dataclass
-class AgentConfig:
-    config: Path = field(default_factory=config_dir)  # keys, node id, allow-list, policy
-    data: Path = field(default_factory=data_dir)  # shards, logs
-    bind: str = "*"  # address the three sockets bind ("*" = all)
-    port: int = DEFAULT_BASE_PORT  # control port; pairing = +1, info = +2 (0 = any free ports)
-    mdns: bool = True  # advertise over mDNS
-    interfaces: Sequence[str] | None = None  # mDNS interfaces (names or IPv4); None = all
-    mdns_ttl: int = DEFAULT_TTL_S  # TTL of our records; a dead agent vanishes after about this
-    worker_command: Sequence[str] = field(default_factory=pipeline_worker_command)
-    idle: IdleSource | None = None  # None = the platform's sources
-    poll_s: float = POLL_S  # machine poll interval
-    demo_auto_pair: bool = False  # `flotilla demo` only: accept its controller key unasked (demo_mode.py)
-    stdin_lifeline: bool = False  # stop cleanly when stdin ends (started by the tray or the demo: a pipe)
-    announce: Any = None  # a binary stream: once serving, the AgentUp line goes there (`--announce`)
-
-
-def setup_logging(data: Path, verbose: bool = False) -> Path:
-    """Rotating log in <data>/logs/agent.log (1 MB x 3), plus stderr."""
-    logs = ensure_private_dir(data / "logs")
-    path = logs / "agent.log"
-    handler = logging.handlers.RotatingFileHandler(path, maxBytes=1_000_000, backupCount=3)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    stderr = logging.StreamHandler()
-    stderr.setFormatter(logging.Formatter("flotilla agent: %(message)s"))
-    stderr.setLevel(logging.INFO if verbose else logging.WARNING)
-    root.addHandler(stderr)
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    logging.getLogger("zeroconf").setLevel(logging.WARNING)
-    return path
 
 
 class Agent:
@@ -467,85 +429,3 @@ class Agent:
         event = AgentEvent(self.identity.node_id, "worker_exit", f"exit code {worker.exit_code}",
                            (worker.sha256,), time.time())
         asyncio.get_running_loop().create_task(self._push(event))
-
-
-def run_agent(cfg: AgentConfig) -> int:
-    """Run until SIGINT/SIGTERM (CTRL_BREAK on Windows), a StopRequest(shutdown=True), or,
-    with cfg.stdin_lifeline, the end of stdin."""
-    from engine import aio
-
-    async def main() -> None:
-        agent = Agent(cfg)
-        loop = asyncio.get_running_loop()
-        stop = lambda: _stop_soon(loop, agent.stopped)  # noqa: E731
-        restore = install_stop_signals(stop)
-        try:
-            if cfg.stdin_lifeline:
-                watch_stdin(stop)
-            await agent.async_run()
-        finally:
-            restore()
-
-    aio.run(main())
-    return 0
-
-
-def _stop_soon(loop: asyncio.AbstractEventLoop, stopped: asyncio.Event) -> None:
-    """stopped.set() on the loop, from any thread or a signal handler; a no-op once it closed."""
-    try:
-        loop.call_soon_threadsafe(stopped.set)
-    except RuntimeError:
-        pass
-
-
-def install_stop_signals(stop: Callable[[], None]) -> Callable[[], None]:
-    """stop() on SIGINT, SIGTERM and (Windows) SIGBREAK: plain signal.signal handlers, which
-    every OS runs (asyncio's add_signal_handler does not exist on Windows). Returns a
-    function that puts the previous handlers back."""
-    import signal
-
-    previous = {}
-    for name in ("SIGINT", "SIGTERM", "SIGBREAK"):
-        sig = getattr(signal, name, None)
-        if sig is None:
-            continue
-        try:
-            previous[sig] = signal.signal(sig, lambda *_: stop())
-        except (ValueError, OSError):  # not the main thread: the caller stops us
-            pass
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            try:
-                signal.signal(sig, handler)
-            except (ValueError, OSError, TypeError):
-                pass
-
-    return restore
-
-
-def watch_stdin(stop: Callable[[], None], fd: int | None = None) -> threading.Thread:
-    """stop() once stdin ends (a daemon thread reads it): the process that started us closed
-    its end of the pipe -- how the tray and `flotilla demo` ask for a clean stop on every OS
-    (engine/client.py AgentHandle.stop) -- or it died, which closes it too.
-
-    It reads the descriptor (os.read), never sys.stdin: a thread blocked in a buffered read
-    holds that object's lock, and a child forked meanwhile (OpenVINO's telemetry forks one)
-    inherits the lock held and hangs for ever when multiprocessing closes its sys.stdin."""
-    import os
-    import sys
-
-    src = fd if fd is not None else sys.stdin.fileno()
-
-    def run() -> None:
-        try:
-            while os.read(src, 4096):
-                pass
-        except OSError:
-            pass
-        log.info("stdin closed: stopping")
-        stop()
-
-    t = threading.Thread(target=run, name="agent-stdin", daemon=True)
-    t.start()
-    return t

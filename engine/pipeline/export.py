@@ -30,6 +30,9 @@ Shard I/O (n = tokens this call, T = past + n):
   non-last     hidden_states_out f32 [1, n, H]
   last         logits f32 [1, c, V], next_token int64 [1, c] (greedy argmax), c = min(k, n) or n
 State: per layer key/value f32 [1, kv_heads, T, head_dim].
+
+The pieces (cutting, tracing, compressing) are in export_pieces.py, the
+stitching, beam_idx and stateful KV in export_graph.py.
 """
 
 
@@ -42,9 +45,10 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable
 
-import numpy as np
+from engine.pipeline.export_graph import _fuse_cache_reorder, _make_stateful, _ordered_states, _stitch
+from engine.pipeline.export_pieces import _export_piece, plan_pieces
 
 # Bumped whenever the traced graph or the manifest changes, so cached shards
 # exported by an older Flotilla are rebuilt instead of reused.
@@ -133,7 +137,8 @@ def _exporter_digest() -> str:
     editing any of it invalidates cached shards."""
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for f in sorted(here.glob("shard_*.py")) + [here / "export.py", here / "compress.py",
+    for f in sorted(here.glob("shard_*.py")) + [here / "export.py", here / "export_pieces.py",
+                                                   here / "export_graph.py", here / "compress.py",
                                                    here.parent / "models" / "checkpoint.py"]:
         if f.name != "shard_runtime.py":  # running shards does not change them
             h.update(f.name.encode() + f.read_bytes())
@@ -283,305 +288,6 @@ def export_shard(model_path: Path, start: int, end: int, out_dir: Path, *,
 def _expert_bytes(model_path: Path, start: int, end: int, precision: str) -> int:
     """Routed-expert bytes of layers [start, end) at precision, as the planner counts them."""
     from engine.models import profile_model
-    from engine.pipeline.plan import PlanModel
+    from engine.pipeline.plan_model import PlanModel
 
     return int(sum(PlanModel.from_profile(profile_model(model_path)).expert_weight_bytes(precision)[start:end]))
-
-
-# -- pieces ------------------------------------------------------------------
-
-# Checkpoint bytes traced at once. One Llama-3.1-8B layer is 436 MB in bf16 (one
-# layer a piece); a demo model is one piece (tracing costs ~1 s a piece
-# whatever its size). The embedding and the head count like layers: a 128k
-# vocabulary makes each 0.5–1 GB, so they are usually pieces of their own.
-PIECE_BYTES = 256 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One traced part of a shard: optional embedding, layers [start, end), optional head."""
-
-    embed: bool  # token embedding (first stage)
-    start: int  # first decoder layer
-    end: int  # end of its layers (== start: no layers)
-    head: bool  # final norm + LM head (last stage)
-
-    @property
-    def label(self) -> str:
-        parts = (["embed"] if self.embed else []) + \
-            ([f"layers {self.start}-{self.end - 1}"] if self.end > self.start else []) + (["head"] if self.head else [])
-        return " + ".join(parts)
-
-
-def _stored_bytes(ckpt, prefix: str) -> int:
-    total = 0
-    for name, shape in ckpt.shapes.items():
-        if name.startswith(prefix):
-            n = 2 if ckpt.dtypes[name] in ("BF16", "F16") else 4
-            for d in shape:
-                n *= d
-            total += n
-    return total
-
-
-def plan_pieces(ckpt, start: int, end: int, total: int, precision: str,
-                budget: int = PIECE_BYTES) -> list[Piece]:
-    """Cut the shard into pieces of at most `budget` checkpoint bytes, packed in
-    order (embedding, layers, head; at least one part each). Compressed
-    precisions trace the embedding and the head alone: they are quantised per
-    row to int8 by `compress_rows_int8`, the layers by NNCF (compress.py)."""
-    parts: list[tuple[str, int, int]] = []  # (kind, layer, bytes)
-    if start == 0:
-        parts.append(("embed", -1, _stored_bytes(ckpt, "model.embed_tokens.")))
-    parts += [("layer", i, _stored_bytes(ckpt, f"model.layers.{i}.")) for i in range(start, end)]
-    if end == total:
-        head = _stored_bytes(ckpt, "lm_head.") or _stored_bytes(ckpt, "model.embed_tokens.")  # tied
-        parts.append(("head", -1, head))
-    groups: list[list[tuple[str, int, int]]] = []
-    compressed = precision in ("int8", "int4")
-    for part in parts:
-        alone = compressed and part[0] != "layer"
-        last = groups[-1] if groups else None
-        fits = last is not None and sum(p[2] for p in last) + part[2] <= budget
-        if last is None or alone or not fits or (compressed and last[-1][0] != "layer"):
-            groups.append([part])
-        else:
-            last.append(part)
-    pieces = []
-    for g in groups:
-        layers = [p[1] for p in g if p[0] == "layer"]
-        lo = layers[0] if layers else (end if g[0][0] == "head" else start)
-        hi = layers[-1] + 1 if layers else lo
-        pieces.append(Piece(g[0][0] == "embed", lo, hi, g[-1][0] == "head"))
-    return pieces
-
-
-def _piece_module(skeleton, piece: Piece):
-    """A torch module tracing one Piece with the I/O of `_piece_io`."""
-    import torch
-    from torch import nn
-
-    from engine.pipeline.shard_model import EmbedPiece, HeadPiece, LayerPiece
-
-    class Traced(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = EmbedPiece(skeleton) if piece.embed else None
-            self.layers = nn.ModuleList(LayerPiece(skeleton, i) for i in range(piece.start, piece.end))
-            self.head = HeadPiece(skeleton) if piece.head else None
-
-        def forward(self, x, *rest):
-            hidden = self.embed(x) if self.embed is not None else x
-            presents = []
-            if len(self.layers):
-                mask, pos, rest = rest[0], rest[1], rest[2:]
-                for j, layer in enumerate(self.layers):
-                    hidden, k, v = layer(hidden, mask, pos, rest[2 * j], rest[2 * j + 1])
-                    presents += [k, v]
-                rest = rest[2 * len(self.layers):]
-            if self.head is None:
-                return (hidden, *presents)
-            keep = rest[0][0]  # logits_to_keep: last `keep` positions; 0 = every position
-            n = hidden.shape[1]
-            c = torch.where(keep > 0, torch.minimum(keep, torch.tensor(n)), torch.tensor(n))
-            hidden = hidden.index_select(1, torch.arange(n - c, n))  # [1, n, H] -> [1, c, H]
-            logits = self.head(hidden)  # [1, c, V] f32
-            return (logits, torch.argmax(logits, dim=-1), *presents)
-
-    return Traced()
-
-
-def _piece_io(piece: Piece, geo):
-    """(example inputs, input specs, input names, output names) of a piece."""
-    import openvino as ov
-    import torch
-
-    past_len, n = 2, 3  # shape-only example; every dim below is dynamic
-    h_shape = ov.PartialShape([-1, -1, geo.hidden_size])
-    if piece.embed:
-        example, spec, ins = [torch.ones(1, n, dtype=torch.long)], [(ov.PartialShape([-1, -1]), ov.Type.i64)], ["input_ids"]
-    else:
-        example, spec, ins = [torch.zeros(1, n, geo.hidden_size)], [(h_shape, ov.Type.f32)], ["hidden_states"]
-    outs = []
-    layers = range(piece.start, piece.end)
-    if len(layers):
-        example += [torch.ones(1, past_len + n, dtype=torch.long),
-                    torch.arange(past_len, past_len + n, dtype=torch.long)[None]]
-        spec += [(ov.PartialShape([-1, -1]), ov.Type.i64)] * 2
-        ins += ["attention_mask", "position_ids"]
-        kv_shape = ov.PartialShape([-1, geo.num_kv_heads, -1, geo.head_dim])
-        for i in layers:
-            example += [torch.zeros(1, geo.num_kv_heads, past_len, geo.head_dim) for _ in range(2)]
-            spec += [(kv_shape, ov.Type.f32)] * 2
-            ins += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-    if piece.head:
-        example.append(torch.tensor([n], dtype=torch.long))
-        spec.append((ov.PartialShape([1]), ov.Type.i64))
-        ins.append("logits_to_keep")
-        outs += ["logits", "next_token"]
-    else:
-        outs.append("hidden_states_out")
-    for i in layers:
-        outs += [f"present.{i}.key", f"present.{i}.value"]
-    return tuple(example), spec, ins, outs
-
-
-def _piece_owners(skeleton, piece: Piece) -> list[tuple[str, Any]]:
-    """(checkpoint prefix, submodule) of every weight a piece reads."""
-    base = skeleton.model
-    owners = [("model.embed_tokens", base.embed_tokens)] if piece.embed else []
-    owners += [(f"model.layers.{i}", base.layers[i]) for i in range(piece.start, piece.end)]
-    if piece.head:
-        owners += [("model.norm", base.norm), ("lm_head", skeleton.lm_head)]
-    return owners
-
-
-def _export_piece(skeleton, ckpt, piece: Piece, geo, precision: str, xml: Path) -> Path:
-    """Load one piece's tensors, convert it, compress it, save it; free its weights."""
-    import openvino as ov
-    import torch
-
-    from engine.models.checkpoint import release
-
-    example, spec, names_in, names_out = _piece_io(piece, geo)
-    owners = _piece_owners(skeleton, piece)
-    weight_dtype = _trace_dtype(precision, ckpt.dtype())
-    for prefix, module in owners:
-        ckpt.load_into(module, prefix, dtype=weight_dtype)
-    try:
-        module = _piece_module(skeleton, piece).eval()
-        if weight_dtype != torch.float32:
-            from openvino.frontend.pytorch.patch_model import __make_16bit_traceable
-
-            __make_16bit_traceable(module)
-        with torch.no_grad():
-            ov_model = ov.convert_model(module, example_input=example, input=spec)
-        for port, name in zip(ov_model.inputs, names_in):
-            port.get_tensor().set_names({name})
-        for port, name in zip(ov_model.outputs, names_out):
-            port.get_tensor().set_names({name})
-        if precision in ("int8", "int4"):  # NNCF weight compression (engine/pipeline/compress.py)
-            from engine.pipeline.compress import compress_piece
-
-            kind = "embed" if piece.embed and piece.end == piece.start else \
-                "head" if piece.head and piece.end == piece.start else "layers"
-            ov_model = compress_piece(ov_model, precision, kind)
-        # Saved before the torch weights go: the converted constants share their memory.
-        ov.save_model(ov_model, str(xml), compress_to_fp16=False)
-    finally:
-        ov_model = module = None
-        for _, owner in owners:
-            release(owner)
-    return xml
-
-
-def _trace_dtype(precision: str, checkpoint_dtype):
-    """Weight dtype a piece is traced with: the label's, or the checkpoint's for
-    compressed labels (NNCF quantises from the stored 16-bit values)."""
-    import torch
-
-    return {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, checkpoint_dtype)
-
-
-def _stitch(xmls: list[Path], labels: list[str]):
-    """Chain the piece IRs into one model: a piece's hidden input reads the
-    previous piece's output; every piece shares the first one's attention_mask
-    and position_ids. Returns (model, past names, present names) in layer order."""
-    import openvino as ov
-    from openvino import opset13
-
-    core = ov.Core()
-    models = [core.read_model(str(x)) for x in xmls]  # weights memory-mapped
-    params: dict[str, Any] = {}  # name -> the Parameter node the stitched model keeps
-    past_names, present_names, presents, heads = [], [], [], []
-    cur = None  # the previous piece's hidden output
-    for label, m in zip(labels, models):
-        for op in m.get_ops():  # distinct friendly names per piece
-            op.set_friendly_name(f"{label}/{op.get_friendly_name()}")
-        for port in m.inputs:
-            name, node = port.get_any_name(), port.get_node()
-            if name == "hidden_states" and cur is not None:
-                node.output(0).replace(cur)
-            elif name in params:
-                node.output(0).replace(params[name].output(0))
-            else:
-                params[name] = node
-                if name.startswith("past_key_values."):
-                    past_names.append(name)
-        for port in m.outputs:
-            name = port.get_any_name()
-            if name.startswith("present."):
-                present_names.append(name)
-                presents.append(port.get_node())
-            elif name in ("logits", "next_token"):
-                heads.append(port.get_node())
-        if "hidden_states_out" in {n for o in m.outputs for n in o.get_names()}:
-            cur = m.output("hidden_states_out").get_node().input_value(0)
-            cur.get_tensor().set_names(set())  # internal unless it is the stage's output
-    if heads:
-        results = heads + presents
-    else:
-        cur.get_tensor().set_names({"hidden_states_out"})
-        results = [opset13.result(cur)] + presents
-    x = params.get("input_ids") or params["hidden_states"]
-    order = [x, params["attention_mask"], params["position_ids"]] + [params[n] for n in past_names]
-    if "logits_to_keep" in params:
-        order.append(params["logits_to_keep"])
-    model = ov.Model(results, order, "flotilla_shard")
-    model.validate_nodes_and_infer_types()
-    return model, past_names, present_names
-
-
-def _ordered_states(ov_model, past_names: list[str]) -> list[str]:
-    """Variable ids (OpenVINO names them input + output name) in layer order."""
-    ids = [op.get_variable_id() for op in ov_model.get_ops() if op.get_type_name() == "ReadValue"]
-    rank = {name: i for i, name in enumerate(past_names)}
-    return sorted(ids, key=lambda v: next((i for n, i in rank.items() if v.startswith(n + "present")), len(rank)))
-
-
-def _fuse_cache_reorder(ov_model, past_names: list[str]) -> None:
-    """Add `beam_idx` (int32 [batch]) and read every past K/V through Gather(., beam_idx, 0).
-
-    Same idea as optimum-intel's fuse_cache_reorder: after make_stateful the
-    Gather sits between ReadValue and the concat, the pattern the plugins fuse.
-    """
-    import openvino as ov
-    from openvino import opset13
-
-    batch = ov_model.inputs[0].get_partial_shape()[0]
-    beam_idx = opset13.parameter(ov.PartialShape([batch]), ov.Type.i32, name="beam_idx")
-    beam_idx.output(0).get_tensor().set_names({"beam_idx"})
-    ov_model.add_parameters([beam_idx])
-    axis = opset13.constant(np.int64(0))
-    for name in past_names:
-        port = ov_model.input(name)
-        consumers = port.get_target_inputs()
-        gather = opset13.gather(port, beam_idx, axis)
-        for consumer in consumers:
-            consumer.replace_source_output(gather.output(0))
-    ov_model.validate_nodes_and_infer_types()
-
-
-def _make_stateful(ov_model, pairs: dict[str, str], x_name: str) -> None:
-    """Turn past/present pairs into ReadValue/Assign; initialise states empty.
-
-    The initial value of each state is zeros [batch, kv_heads, 0, head_dim]
-    with batch read from the main input, so `reset_state()` alone yields a
-    valid empty cache.
-    """
-    from openvino import opset13
-    from openvino._offline_transformations import apply_make_stateful_transformation
-
-    apply_make_stateful_transformation(ov_model, pairs)
-    x = ov_model.input(x_name)
-    batch = opset13.gather(opset13.shape_of(x, output_type="i64"), opset13.constant(np.array([0], np.int64)),
-                           opset13.constant(np.int64(0)))
-    for op in ov_model.get_ops():
-        if op.get_type_name() != "ReadValue":
-            continue
-        dims = [d.get_length() if d.is_static else 0 for d in op.get_output_partial_shape(0)]
-        parts = [batch] + [opset13.constant(np.array([d], np.int64)) for d in dims[1:]]
-        shape = opset13.concat(parts, axis=0)
-        zero = opset13.constant(np.array(0.0, dtype=np.float32)).output(0)
-        op.set_arguments([opset13.broadcast(opset13.convert(zero, op.get_output_element_type(0)), shape)])
-    ov_model.validate_nodes_and_infer_types()

@@ -1,6 +1,6 @@
 """The planner's search: the exact min-bottleneck DP over layer boundaries (plan.auto_plan).
 
-It sees the fleet only through plan._Fleet's cost methods (bw, kv_layer, fixed, os,
+It sees the fleet only through plan_cost._Fleet's cost methods (bw, kv_layer, fixed, os,
 hop_ms, resident embedding/head/tail bytes, the cumulative layer bytes Wf).
 """
 

@@ -15,29 +15,15 @@ import math
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
-from engine.pipeline.plan import (
-    AUTO,
-    DEFAULT_PREFERENCE,
-    DEVICE_KINDS,
-    OS_RESERVE_FRACTION,
-    OS_RESERVE_MIN_BYTES,
-    FitHint,
-    Links,
-    PeerProfile,
-    Plan,
-    PlanError,
-    PlanIssue,
-    PlanModel,
-    PlanRequest,
-    StageSpec,
-    _Fleet,
-    _is_int,
-    auto_plan,
-    choose_precision,
-    gb,
-    precision_ladder,
-    stage_specs,
-)
+from engine.pipeline.plan import DEFAULT_PREFERENCE, auto_plan, choose_precision
+from engine.pipeline.plan_cost import _Fleet
+from engine.pipeline.plan_issues import FitHint, PlanError, PlanIssue, gb
+from engine.pipeline.plan_memory import AUTO, OS_RESERVE_FRACTION, OS_RESERVE_MIN_BYTES, _is_int, precision_ladder
+from engine.pipeline.plan_model import PlanModel
+from engine.pipeline.plan_peers import DEVICE_KINDS, Links, PeerProfile
+from engine.pipeline.plan_request import PlanRequest
+from engine.pipeline.plan_search import StageSpec
+from engine.pipeline.plan_stages import Plan, stage_specs
 
 CONTEXT_STEP = 256  # suggested contexts are multiples of this many tokens
 BISECT_STEPS = 10  # bisection steps when sizing an extra peer (0.1 % of the model's size)
@@ -404,7 +390,7 @@ def memory_table(plan: Plan, peers: Sequence[PeerProfile] = ()) -> list[str]:
 
 def _peers_arg(text: str) -> list[PeerProfile]:
     """"4x32" -> 4 CPU peers sharing 32 GB of 32 GB; "2x8/16": 8 GB free of 16 GB."""
-    from engine.pipeline.plan import DeviceProfile
+    from engine.pipeline.plan_peers import DeviceProfile
 
     count, _, size = text.partition("x")
     free, _, total = size.partition("/")

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from engine.pipeline.plan import AUTO, PRECISIONS, Plan, PlanError, PlanIssue, PlanModel, PlanRequest, gb
-from engine.pipeline.plan import precision_ladder
+from engine.pipeline.plan_issues import PlanError, PlanIssue, gb
+from engine.pipeline.plan_memory import AUTO, PRECISIONS, precision_ladder
+from engine.pipeline.plan_model import PlanModel
+from engine.pipeline.plan_request import PlanRequest
+from engine.pipeline.plan_stages import Plan
 
 WEIGHT_CHOICES = (AUTO,) + PRECISIONS  # what the editor, the CLI and the launcher accept
 

@@ -35,6 +35,10 @@ keeps serving while the replacement gets ready; the pause only covers the
 re-wire and the replay. Recoveries are bounded (max_recoveries per window_s);
 past that, or when the provider gives up, every stream ends with an error
 event that says why, and submit() refuses with the same reason.
+
+The provider's side (RingLoss, RingProvider, RecoveryImpossible, replan_onto)
+is in recovery_provider.py; steps 4 and 5 are RingRecovery's mixins
+RecoveryRewire (recovery_rewire.py) and RecoveryReplay (recovery_replay.py).
 """
 
 from __future__ import annotations
@@ -44,44 +48,21 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import zmq
-
-from engine.protocol.pipeline import MAX_FREE, StageConfigure, StageFree, StagePong, StageShutdown, StageStep
+from engine.pipeline.recovery_provider import RecoveryImpossible, RingLoss, _CallableProvider
+from engine.pipeline.recovery_replay import RecoveryReplay
+from engine.pipeline.recovery_rewire import RecoveryRewire
 
 if TYPE_CHECKING:
-    from engine.pipeline.coordinator import PipelineEngine, StageLink, _Flight
+    from engine.pipeline.coordinator import PipelineEngine
+    from engine.pipeline.recovery_replay import _Replay
+
+# RecoveryImpossible lives in recovery_provider.py; a provider raises it, callers catch it from here.
+__all__ = ["RecoveryConfig", "RecoveryImpossible", "RecoveryRecord", "RingRecovery"]
 
 log = logging.getLogger(__name__)
-
-
-class RecoveryImpossible(Exception):
-    """The provider cannot rebuild the ring; str(e) tells the user why."""
-
-
-@dataclass(frozen=True)
-class RingLoss:
-    """What the provider is asked to repair."""
-
-    lost: tuple[int, ...]  # ring positions to replace (empty: re-wire the same stages)
-    reason: str  # one line: which stage, what happened
-    stages: tuple[Any, ...]  # the ring (StageLinks) when it happened, in order
-    graceful: bool = False  # a migration the peer asked for: the lost stages still serve
-
-
-class RingProvider(Protocol):
-    """Supplies replacement stages. replan() may block (starting processes,
-    loading shards); it runs on a helper thread."""
-
-    def replan(self, loss: RingLoss) -> Sequence[Any]:
-        """The new ring, in order, each stage started and reachable (StageLinks)."""
-
-    def retire(self, links: Sequence[Any], reason: str) -> None:
-        """Stages no longer in the ring: stop them (they may already be gone)."""
 
 
 @dataclass(frozen=True)
@@ -116,24 +97,7 @@ class RecoveryRecord:
                 "replayed_tokens": self.replayed_tokens, "ok": self.ok, "error": self.error}
 
 
-@dataclass
-class _Replay:
-    ids: list[int]  # prompt + generated tokens to prefill again
-    pos: int = 0  # how many are in the new KV state
-
-
-class _CallableProvider:
-    def __init__(self, fn: Callable[[RingLoss], Sequence[Any]]) -> None:
-        self.fn = fn
-
-    def replan(self, loss: RingLoss) -> Sequence[Any]:
-        return self.fn(loss)
-
-    def retire(self, links: Sequence[Any], reason: str) -> None:
-        pass
-
-
-class RingRecovery:
+class RingRecovery(RecoveryRewire, RecoveryReplay):
     """Owned by a PipelineEngine; every method except migrate() runs on its coordinator thread."""
 
     def __init__(self, engine: "PipelineEngine", provider: Any = None,
@@ -348,114 +312,6 @@ class RingRecovery:
         if dead:  # a new stage failed to come up: recover again at once
             self._start(tuple(sorted(dead)), "; ".join(dead.values()), graceful=False)
 
-    def _rewire(self, links: Sequence[Any]) -> dict[int, str]:
-        """Swap the coordinator onto `links`; returns stages that did not answer."""
-        e = self.engine
-        old_ctl, old_stages = list(e.ctl), list(e.stages)
-        # An orderly goodbye to stages that leave the ring (a migration; a dead one ignores it).
-        for i, link in enumerate(old_stages):
-            if link not in links:
-                try:
-                    old_ctl[i].send_multipart(_frames(StageShutdown("replaced in the ring")), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        poller = getattr(e, "_poller", None)
-        for s in old_ctl:
-            if poller is not None:
-                try:
-                    poller.unregister(s)
-                except KeyError:
-                    pass
-            s.close(linger=100)
-        me = b"coord-" + uuid.uuid4().hex[:12].encode()
-        curve = getattr(e.config, "curve", None)  # CURVE on the data plane (engine/transport/curve_data.py)
-        zap = getattr(e, "_zap", None)
-        ctl = []
-        for link in links:
-            s = e._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IDENTITY, me)
-            s.setsockopt(zmq.SNDHWM, 0)
-            _tune(s)
-            key = getattr(link, "server_key", "")
-            if curve is not None:
-                curve.client(s, key)
-                if zap is not None and key:
-                    zap.admit(key)  # the return socket must take the new last stage's results
-            s.connect(link.endpoint)
-            ctl.append(s)
-            if poller is not None:
-                poller.register(s, zmq.POLLIN)
-        e.stages, e.ctl = list(links), ctl
-        for i, link in enumerate(e.stages):
-            link.index = i
-        n = len(links)
-        e.stats.stage_ms = [0.0] * n
-        e.stats.pongs = {}
-        e._last_pong = [time.monotonic()] * n
-        for i, link in enumerate(e.stages):
-            nxt = e.stages[i + 1].endpoint if i + 1 < n else e.return_endpoint
-            key = (getattr(e.stages[i + 1], "server_key", "") if i + 1 < n else
-                   curve.public if curve is not None else "")
-            e._send(i, StageConfigure(nxt, i, n, f"stage {i}", **({"next_key": key} if key else {})))
-        waiting = set(range(n))
-        deadline = time.monotonic() + self.config.rewire_timeout_s
-        dead: dict[int, str] = {}
-        while waiting and time.monotonic() < deadline:
-            for i in list(waiting):
-                why = e._exit_reason(e.stages[i])
-                if why:
-                    dead[i] = why
-                    waiting.discard(i)
-            for i in list(waiting):
-                if e.ctl[i].poll(0, zmq.POLLIN):
-                    while True:
-                        try:
-                            frames = e.ctl[i].recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        msg = _decode(frames)
-                        if isinstance(msg, StagePong) and msg.configured:
-                            e._on_pong(i, msg)
-                            waiting.discard(i)
-            if waiting:
-                time.sleep(0.005)
-        for i in waiting:
-            dead[i] = f"{e.stages[i].label} did not answer its configuration within " \
-                      f"{self.config.rewire_timeout_s:.0f} s"
-        return dead
-
-    def _replay_all(self, rec: RecoveryRecord) -> None:
-        """New stream ids for every admitted stream; free the old ones everywhere."""
-        e = self.engine
-        active: dict = getattr(e, "_active", {})
-        flights = list(active.values())
-        old_ids = [f.stream_id for f in flights] + list(getattr(e, "_to_free", []))
-        parked = getattr(e, "parked", None)
-        old_ids += parked.clear() if parked is not None else []  # their KV is gone with the lost stage
-        e._to_free = []
-        for k in range(0, len(old_ids), MAX_FREE):
-            msg = StageFree(tuple(old_ids[k:k + MAX_FREE]))
-            for i in range(len(e.stages)):
-                e._send(i, msg)
-        active.clear()
-        self._replays.clear()
-        self._resuming = set()
-        for f in flights:
-            reset_flight(f, f"s{next(e._ids)}")
-            gen = f.gen
-            if gen.output_ids:  # rebuild prompt + answer so far, then the next token comes back
-                self._replays[f.stream_id] = _Replay(list(gen.prompt_ids) + list(gen.output_ids))
-                rec.replayed_tokens += len(gen.prompt_ids) + len(gen.output_ids)
-            else:  # was still reading its prompt: read it again
-                gen.prefilled = 0
-                gen.pending = None
-                rec.replayed_tokens += len(gen.prompt_ids)
-            active[f.stream_id] = f
-            self._resuming.add(f.stream_id)
-        rec.streams = len(flights)
-        self._check_resumed()
-
     def _give_up(self, reason: str) -> None:
         self.state = "broken"
         self.paused = False
@@ -466,75 +322,6 @@ class RingRecovery:
             rec.done.set_exception(RecoveryImpossible(reason))
         self.engine._break(reason)
 
-    # -- coordinator thread: the send/result hooks ---------------------------------
-    def hold_send(self, f: "_Flight") -> bool:
-        """True when the step must not go out the usual way (paused, or replay sent here)."""
-        if self.paused:
-            return True
-        r = self._replays.get(f.stream_id)
-        if r is None:
-            return False
-        gen = f.gen
-        ids = r.ids[r.pos:r.pos + gen.chunk]
-        final = r.pos + len(ids) == len(r.ids)
-        step = StageStep(f.stream_id, f.seq, f.past, reset=f.past == 0, want_token=final,
-                         want_logits=final and f.sample)
-        f.in_flight, f.sent_at = len(ids), time.perf_counter()
-        self.engine._send(0, step, [np.array([ids], np.int64)])  # token ids [1, n]
-        return True
-
-    def take_result(self, active: dict, msg: Any) -> bool:
-        """True when a StageResult is consumed here (dropped while paused, or a replay chunk)."""
-        if self.paused:
-            return True
-        f = active.get(msg.stream_id)
-        if f is None or not f.in_flight or msg.seq != f.seq:
-            return False
-        self._stalls = 0
-        r = self._replays.get(msg.stream_id)
-        if r is None:
-            if msg.stream_id in self._resuming and msg.token is not None:
-                self._resuming.discard(msg.stream_id)
-            return False
-        n = f.in_flight
-        r.pos += n
-        if r.pos < len(r.ids):  # an intermediate replay chunk: nothing for the user
-            f.seq += 1
-            f.past += n
-            f.in_flight = 0
-            self.engine.stats.steps += 1
-            return True
-        del self._replays[msg.stream_id]  # the last chunk: its token is the next one of the answer
-        self._resuming.discard(msg.stream_id)
-        return False
-
-
-def reset_flight(f: Any, stream_id: str) -> None:
-    """A flight as if just admitted, keeping its Generation (prompt, answer so far, sampler)."""
-    f.stream_id = stream_id
-    f.seq = 0
-    f.past = 0
-    f.keep = None  # a fresh stream: nothing parked to trim
-    f.in_flight = 0
-    f.sent_at = 0.0
-    spec = getattr(f, "spec", None)  # speculative decoding (engine/pipeline/speculative.py)
-    if spec is not None:  # it re-syncs itself and goes on: new KV = prompt + answer, nothing hidden
-        spec.on_ring_reset(f)
-
-
-def replan_onto(model: Any, peers: Sequence[Any], request: Any, links: Any = None) -> Any:
-    """For fleet launchers: the best plan over the peers still available (the
-    lost ones removed). Raises RecoveryImpossible with the planner's reason
-    (e.g. "needs 9.1 GB, the remaining peers have 6.0 GB") when none fits."""
-    from engine.pipeline.plan import PlanError, auto_plan
-
-    if not peers:
-        raise RecoveryImpossible("no peer is left to host the model")
-    try:
-        return auto_plan(model, peers, request, links)
-    except PlanError as ex:
-        raise RecoveryImpossible(f"the remaining peers cannot host the model: {ex}") from None
-
 
 def _copy_future(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> None:
     if dst.done():
@@ -543,27 +330,6 @@ def _copy_future(src: concurrent.futures.Future, dst: concurrent.futures.Future)
         dst.set_exception(src.exception())
     else:
         dst.set_result(src.result())
-
-
-def _frames(msg: Any) -> list:
-    from engine.protocol import encode_frames
-
-    return encode_frames(msg, [])
-
-
-def _decode(frames: list) -> Any:
-    from engine.protocol import ProtocolError, decode_frames
-
-    try:
-        return decode_frames(frames)[0]
-    except ProtocolError:
-        return None
-
-
-def _tune(sock: Any) -> None:
-    from engine.pipeline.health import tune_data_socket
-
-    tune_data_socket(sock)
 
 
 def _one_line(e: BaseException) -> str:

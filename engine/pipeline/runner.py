@@ -42,10 +42,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.platform import process
-from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink, describe_exit, log_tail
+from engine.pipeline.coordinator import PipelineConfig, PipelineEngine
+from engine.pipeline.stage_link import StageLink, describe_exit, log_tail
 from engine.core.interface import EngineError
 from engine.pipeline import plan_weights
-from engine.pipeline.plan import DEVICE_KINDS, DeviceProfile, PeerProfile, Plan, PlanError, PlanModel, PlanRequest
+from engine.pipeline.plan_issues import PlanError
+from engine.pipeline.plan_model import PlanModel
+from engine.pipeline.plan_peers import DEVICE_KINDS, DeviceProfile, PeerProfile
+from engine.pipeline.plan_request import PlanRequest
+from engine.pipeline.plan_stages import Plan
 
 log = logging.getLogger(__name__)
 

@@ -110,8 +110,10 @@ class ShardRunner:
         self.info = info if isinstance(info, ShardInfo) else ShardInfo.load(Path(info))
         self.core = core or ov.Core()
         # exact: bit-comparable with torch f32 (no bf16/fp16 compute, f32 KV cache)
-        cfg: dict[str, Any] = compile_config(device, "f32" if exact else "default", cache_dir)
-        cfg.update(config or {})
+        extra = dict(config or {})
+        threads = extra.pop("INFERENCE_NUM_THREADS", None)  # compile_config knows what one thread needs
+        cfg: dict[str, Any] = compile_config(device, "f32" if exact else "default", cache_dir, threads)
+        cfg.update(extra)
         self.compiled = self.core.compile_model(str(self.info.xml), device, cfg)
         self.input_names = [p.get_any_name() for p in self.compiled.inputs]
         self.output_ports = {p.get_any_name(): p for p in self.compiled.outputs}

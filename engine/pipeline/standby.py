@@ -53,7 +53,7 @@ class LocalRingProvider:
 
     # -- RingProvider -------------------------------------------------------------
     def replan(self, loss: Any) -> list[Any]:
-        from engine.pipeline.recovery import RecoveryImpossible
+        from engine.pipeline.recovery_provider import RecoveryImpossible
         from engine.pipeline.runner import PipelineLaunchError
 
         links = list(loss.stages)

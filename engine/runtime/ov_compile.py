@@ -27,12 +27,24 @@ a 2-layer model 3.9 -> 0.9 ms per decode step; the 0.90 B Llama 3.0 -> 4.2
 tok/s and warm TTFT 2.7 -> 2.3 s (openvino_genai on the same IR: 3.8 tok/s,
 3.0 s). The OS scheduler keeps the threads where they run anyway; a desktop
 that runs other programs is exactly the loaded case.
+
+One thread in bf16: OpenVINO 2026.4.1's CPU plugin dies with SIGFPE (a divide error inside
+libopenvino_intel_cpu_plugin.so, at the first inference) running a Llama IR or shard in
+bf16 on one thread -- INFERENCE_NUM_THREADS=1, or a process allowed one CPU (taskset) --
+on a Xeon with AMX (seen 2026-12-05: the demo IR and every pipeline shard; f32 and f16 run;
+two threads run; a lone MatMul, MLP or SDPA does not reproduce it). A CPU compile that
+would run on one thread at the plugin's bf16 default therefore computes in f32
+(single_thread_precision); an explicit "bf16" on one thread is refused with its reason.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("default", "f32", "f16", "bf16")
 VIRTUAL_DEVICES = ("AUTO", "MULTI", "HETERO", "BATCH")
@@ -95,4 +107,36 @@ def compile_config(device: str, precision: str = "default", cache_dir: Path | No
             cfg["CACHE_MODE"] = "OPTIMIZE_SIZE"
     if threads:
         cfg["INFERENCE_NUM_THREADS"] = int(threads)
+    if _plain(device) == "CPU":
+        effective = single_thread_precision(precision, threads or allowed_cpus(), cpu_capabilities)
+        if effective != precision:
+            log.warning("one CPU thread at bf16 crashes OpenVINO 2026.4's CPU plugin: computing in %s", effective)
+            cfg["INFERENCE_PRECISION_HINT"] = effective
     return cfg
+
+
+def allowed_cpus() -> int:
+    """How many CPUs this process may run on (its affinity where the OS has one)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    return len(getaffinity(0)) if getaffinity is not None else (os.cpu_count() or 1)
+
+
+def cpu_capabilities() -> Sequence[str]:
+    """The CPU plugin's OPTIMIZATION_CAPABILITIES ("BF16" where its default math is bf16)."""
+    import openvino as ov
+
+    return tuple(ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+
+
+def single_thread_precision(precision: str, threads: int, capabilities: Any = cpu_capabilities) -> str:
+    """The precision a CPU compile may use on `threads` threads: `precision`, except that
+    one thread never computes in bf16 (see the module doc): the plugin's bf16 default
+    becomes "f32", an explicit "bf16" is a CompileConfigError. capabilities: the plugin's
+    OPTIMIZATION_CAPABILITIES, or a function returning them (asked only when it matters)."""
+    if threads != 1 or precision not in ("default", "bf16"):
+        return precision
+    if precision == "bf16":
+        raise CompileConfigError("bf16 on one CPU thread crashes OpenVINO 2026.4's CPU plugin: "
+                                 "use f32 or more threads")
+    caps = capabilities() if callable(capabilities) else capabilities
+    return "f32" if "BF16" in caps else precision

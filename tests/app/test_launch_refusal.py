@@ -59,7 +59,7 @@ def test_a_refused_stage_says_why_on_its_row(editor, qtbot):
     [r] = view.refusals
     why = "over its owner's RAM limit for fleet work: needs 3.10 GB, the limit leaves 2.00 GB"
     assert view.session.refused == {r.stage: why}
-    qtbot.waitUntil(lambda: view.launch_phases()[-1].startswith("refused"), timeout=5_000)
-    assert view.launch_phases() == ["stopped"] * r.stage + [f"refused: {why}"]
+    qtbot.waitUntil(lambda: view.progress.phases()[-1].startswith("refused"), timeout=5_000)
+    assert view.progress.phases() == ["stopped"] * r.stage + [f"refused: {why}"]
     assert view.launch_reason.text() == f"Last launch failed: {r.line()}"
     assert r.peer in view.launch_reason.text() and f"stage {r.stage}" in view.launch_reason.text()

@@ -11,6 +11,7 @@ and finally a restart that finds the conversations again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import json
 import os
@@ -107,15 +108,16 @@ def test_ctrl_number_switches_views(win: MainWindow, qtbot) -> None:
 @pytest.mark.parametrize("view, targets", [
     ("fleet", ["address", "add_button"]),
     ("models", ["table", "chat_button", "hub_id"]),
-    ("plan", ["model_box", "engine_box", "where_box", "stages_spin", "bar", "context", "spec_mode",
-              "auto_button"]),
+    ("plan", ["model_box", "engine_box", "where_box", "stages_spin", "bar", "settings.context",
+              "settings.spec_mode", "auto_button"]),
     ("chat", ["prompt", "send_button"]),
     ("settings", ["api_switch", "api_port", "save_policy_button"]),
 ])
 def test_tab_reaches_every_control(win: MainWindow, qtbot, view: str, targets: list[str]) -> None:
     win.show_view(view, focus=True)
     page = win.pages[view]
-    wanted = {id(getattr(page if view != "chat" else page.panel, t)): t for t in targets}
+    owner = page if view != "chat" else page.panel
+    wanted = {id(functools.reduce(getattr, t.split("."), owner)): t for t in targets}
     seen: set[str] = set()
     for _ in range(60):
         QTest.keyClick(QApplication.focusWidget(), Qt.Key.Key_Tab)
@@ -479,8 +481,8 @@ def test_auto_plan_and_drag_a_boundary(plan, qtbot) -> None:
 
 
 def test_infeasible_plan_cannot_launch(plan, qtbot) -> None:
-    plan.context.setValue(1_048_576)
-    plan.streams.setValue(64)
+    plan.settings.context.setValue(1_048_576)
+    plan.settings.streams.setValue(64)
     qtbot.waitUntil(lambda: bool(plan.error), timeout=5000)
     assert not plan.launch_button.isEnabled()
     assert "needs" in plan.error and "GB" in plan.error
@@ -489,8 +491,8 @@ def test_infeasible_plan_cannot_launch(plan, qtbot) -> None:
     assert "invalid" in plan.launch_button.toolTip()
     plan.launch()  # even a direct call refuses
     assert plan.session.kind == "local"
-    plan.context.setValue(4096)
-    plan.streams.setValue(4)
+    plan.settings.context.setValue(4096)
+    plan.settings.streams.setValue(4)
     qtbot.waitUntil(lambda: not plan.error, timeout=5000)
     assert plan.launch_button.isEnabled()
 
@@ -498,19 +500,19 @@ def test_infeasible_plan_cannot_launch(plan, qtbot) -> None:
 def test_disabled_choices_say_why(plan) -> None:
     # Speculative decoding: available for the pipeline on this PC and the local engine;
     # disabled with the reason where it does not apply.
-    assert plan.spec_mode.isEnabled() and not plan.spec_reason.text().startswith("Not available")
-    plan.spec_mode.setCurrentIndex(plan.spec_mode.findData("draft"))
-    assert plan.draft_box.isEnabled() and plan.draft_box.currentText() == "demo-draft"
-    assert plan.speculative_choice() == client.SpecChoice("draft", 4, True, "demo-draft")
-    plan.spec_mode.setCurrentIndex(plan.spec_mode.findData("lookup"))
-    assert not plan.draft_box.isEnabled() and plan.spec_k.isEnabled()
+    assert plan.settings.spec_mode.isEnabled() and not plan.settings.spec_reason.text().startswith("Not available")
+    plan.settings.spec_mode.setCurrentIndex(plan.settings.spec_mode.findData("draft"))
+    assert plan.settings.draft_box.isEnabled() and plan.settings.draft_box.currentText() == "demo-draft"
+    assert plan.settings.speculative_choice() == client.SpecChoice("draft", 4, True, "demo-draft")
+    plan.settings.spec_mode.setCurrentIndex(plan.settings.spec_mode.findData("lookup"))
+    assert not plan.settings.draft_box.isEnabled() and plan.settings.spec_k.isEnabled()
     idx = plan.engine_box.findData("moe")
     plan.engine_box.setCurrentIndex(idx)
     assert not plan.launch_button.isEnabled() and "dense" in plan.launch_blocker()
-    assert not plan.spec_mode.isEnabled() and "no speculative decoding" in plan.spec_reason.text()
+    assert not plan.settings.spec_mode.isEnabled() and "no speculative decoding" in plan.settings.spec_reason.text()
     plan.engine_box.setCurrentIndex(plan.engine_box.findData("pipeline"))
-    plan.spec_mode.setCurrentIndex(plan.spec_mode.findData("off"))
-    assert plan.speculative_choice() is None
+    plan.settings.spec_mode.setCurrentIndex(plan.settings.spec_mode.findData("off"))
+    assert plan.settings.speculative_choice() is None
 
 
 def test_fleet_plan_launches_on_the_paired_agent_and_chats(win: MainWindow, plan, agent, qtbot) -> None:
@@ -523,7 +525,7 @@ def test_fleet_plan_launches_on_the_paired_agent_and_chats(win: MainWindow, plan
     plan.launch_button.click()
     qtbot.waitUntil(lambda: win.session.state in ("ready", "failed"), timeout=OPEN_TIMEOUT_MS)
     assert win.session.is_ready, win.session.error
-    assert plan.launch_phases() == ["ready"] and win.session.kind == "pipeline"
+    assert plan.progress.phases() == ["ready"] and win.session.kind == "pipeline"
     assert "1 peers:" in win.session.plan_text and agent.node_id[:4] not in win.session.plan_text
     win.show_view("chat")
     panel = win.chat.panel
@@ -541,23 +543,23 @@ def test_fleet_plan_launches_on_the_paired_agent_and_chats(win: MainWindow, plan
 
 
 def test_launch_cancel_stops_everything(win: MainWindow, plan, qtbot) -> None:
-    plan.recover.setChecked(False)  # no warm standby: a killed stage must end the answers (below)
+    plan.settings.recover.setChecked(False)  # no warm standby: a killed stage must end the answers (below)
     plan.auto_button.click()
     qtbot.waitUntil(lambda: plan.plan is not None and not plan.error, timeout=20_000)
     plan.launch_button.click()
     assert win.session.state == "opening" and plan.cancel_button.isEnabled()
-    qtbot.waitUntil(lambda: any(t.startswith("compile") for t in plan.launch_phases()), timeout=60_000)
+    qtbot.waitUntil(lambda: any(t.startswith("compile") for t in plan.progress.phases()), timeout=60_000)
     plan.cancel_button.click()
     qtbot.waitUntil(lambda: win.session.state == "failed", timeout=30_000)
     assert win.session.error == "launch cancelled"
-    assert set(plan.launch_phases()) == {"stopped"} and "cancelled" in plan.launch_reason.text()
+    assert set(plan.progress.phases()) == {"stopped"} and "cancelled" in plan.launch_reason.text()
 
 
 def test_launch_two_stage_pipeline_chat_then_kill_a_stage(win: MainWindow, plan, qtbot) -> None:
     plan.launch_button.click()
     qtbot.waitUntil(lambda: win.session.state in ("ready", "failed"), timeout=OPEN_TIMEOUT_MS)
     assert win.session.is_ready, win.session.error
-    assert win.session.kind == "pipeline" and plan.launch_phases() == ["ready", "ready"]
+    assert win.session.kind == "pipeline" and plan.progress.phases() == ["ready", "ready"]
     pids = client.stage_pids(win.session.engine)
     assert len(pids) == 2
 

@@ -58,8 +58,8 @@ def editor(qtbot, monkeypatch):
 
 def _choose(view: PlanView, label: str) -> None:
     """Pick a precision as a user would; the split on screen is re-evaluated at once (pure planner)."""
-    view.weights_box.setCurrentIndex(view.weights_box.findData(label))
-    assert view.weights_choice() == label
+    view.settings.weights_box.setCurrentIndex(view.settings.weights_box.findData(label))
+    assert view.settings.weights_choice() == label
 
 
 def _wait_plan(view: PlanView, qtbot, pred) -> None:
@@ -68,7 +68,7 @@ def _wait_plan(view: PlanView, qtbot, pred) -> None:
 
 def test_weights_combo_offers_every_precision_and_the_plan_uses_the_choice(editor, qtbot):
     view = editor
-    box = view.weights_box
+    box = view.settings.weights_box
     assert [box.itemText(i) for i in range(box.count())] == ["auto", "f32", "bf16", "fp16", "int8", "int4"]
     assert box.currentText() == "auto" and box.isEnabled()
     # The demo checkpoint is f32 and this PC holds it easily: auto is the model's own precision.
@@ -84,7 +84,7 @@ def test_weights_combo_offers_every_precision_and_the_plan_uses_the_choice(edito
     # each bar shows what the worker holds: stage 0's embedding stays in the mapped file on a CPU
     assert [b.weights for b in bars] == sorted(s.resident_weight_bytes for s in view.plan.stages)
     assert view.plan.stages[0].mapped_bytes > 0 and view.plan.stages[0].device == "CPU"
-    assert "Weights <b>int4</b> (chosen)" in view.summary.text() and view.weights_used.text() == ""
+    assert "Weights <b>int4</b> (chosen)" in view.summary.text() and view.settings.weights_used.text() == ""
     assert any("int4 weights" in w.text() for w in view.stage_box.findChildren(QLabel))  # the table's header
     # A boundary the user moved stays where it is when the precision changes.
     view.move_boundary(0, 3)
@@ -100,8 +100,8 @@ def test_weights_combo_offers_every_precision_and_the_plan_uses_the_choice(edito
 
 def test_auto_is_the_most_precise_precision_that_fits(editor, qtbot):
     view = editor
-    view.context.setValue(256)
-    view.streams.setValue(1)
+    view.settings.context.setValue(256)
+    view.settings.streams.setValue(1)
     totals = {}
     for label in ("f32", "fp16"):
         _choose(view, label)
@@ -119,7 +119,7 @@ def test_auto_is_the_most_precise_precision_that_fits(editor, qtbot):
     assert client.plan_precision(view.plan) == "fp16" and not view.error and view.plan.fits and view.launch_button.isEnabled()
     assert "Weights <b>fp16</b> (auto: the most precise at which this plan fits; the model's own f32 does not)" \
         in view.summary.text()
-    assert view.weights_used.text() == "→ fp16 for this plan"  # beside the choice, too
+    assert view.settings.weights_used.text() == "→ fp16 for this plan"  # beside the choice, too
     # Asked for f32 outright, the same plan cannot launch, and says which stage and why.
     _choose(view, "f32")
     assert view.error and client.plan_precision(view.plan) == "f32"
@@ -134,7 +134,7 @@ def test_auto_is_the_most_precise_precision_that_fits(editor, qtbot):
 
 def test_launch_passes_the_editors_plan_on_this_pc(editor, qtbot):
     view = editor
-    view.streams.setValue(3)
+    view.settings.streams.setValue(3)
     _choose(view, "int8")
     view.move_boundary(0, 5)
     shown = view.plan

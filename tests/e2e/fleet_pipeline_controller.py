@@ -71,7 +71,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     a = ap.parse_args()
 
-    from engine.fleet.launch import LaunchConfig, async_discover, async_pair_all, controller_keys, launch_fleet
+    from engine.fleet.controller_setup import async_discover, async_pair_all, controller_keys
+    from engine.fleet.launch import launch_fleet
+    from engine.fleet.launch_config import LaunchConfig
     from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 
     keys = controller_keys(a.config)

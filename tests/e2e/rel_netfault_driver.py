@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink
-from engine.pipeline.recovery import RecoveryImpossible
+from engine.pipeline.recovery_provider import RecoveryImpossible
 from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 
 spec = json.loads(sys.argv[1])

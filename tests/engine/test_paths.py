@@ -255,7 +255,7 @@ def test_legacy_names_are_the_files_the_code_writes():
     the fleet writes into its data folder is known."""
     from app.settings import FILE as APP_SETTINGS
     from app.store import DB_NAME
-    from engine.client import TRAY_FILE
+    from engine.client.agent import TRAY_FILE
     from engine.transport import security
     from engine.fleet.discovery import MANUAL_FILE
     from engine.fleet.identity import IDENTITY_FILE
@@ -268,7 +268,8 @@ def test_legacy_names_are_the_files_the_code_writes():
                security.PENDING_FILE: paths.KEYS, security.KNOWN_AGENTS_FILE: paths.KEYS}
     for name, kind in writers.items():
         assert paths.LEGACY_NAMES.get(name) == kind, name
-    agent_src = (REPO / "engine" / "fleet" / "agent.py").read_text(encoding="utf-8")
+    agent_src = "".join((REPO / "engine" / "fleet" / name).read_text(encoding="utf-8")
+                        for name in ("agent.py", "agent_process.py"))
     data_names = set(re.findall(r'\.data / "(\w+)"', agent_src)) | set(re.findall(r'\bdata / "(\w+)"', agent_src))
     assert data_names and all(paths.LEGACY_NAMES.get(n) == paths.DATA for n in data_names), data_names
 

@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine.bench import sparse  # noqa: E402
+from engine.bench import _sparse_model, _sparse_runs, sparse  # noqa: E402
 from engine.cli.bench_cmd import scenarios  # noqa: E402
 from engine.platform import direct_io as io_mod  # noqa: E402  (the O_DIRECT probe both stores use)
 from engine.platform.direct_io import IO_MODES, fs_type  # noqa: E402
@@ -65,7 +65,7 @@ def _get(d: dict, path: tuple):
 def tiny_model() -> Path:
     from engine.models.demo import ensure_recipe
 
-    return sparse.with_dtype(ensure_recipe(sparse.bench_recipe(True, **SHAPE)), "bf16", lambda _m: None)
+    return _sparse_model.with_dtype(ensure_recipe(_sparse_model.bench_recipe(True, **SHAPE)), "bf16", lambda _m: None)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +87,10 @@ def test_sparse_scenario_is_discovered():
 
 
 def test_default_bench_model_keeps_its_published_shape():
-    r = sparse.bench_recipe(True)
+    r = _sparse_model.bench_recipe(True)
     assert r.demo_id == "sparse-bench-h4096-2l"
     assert (r.config["hidden_size"], r.config["intermediate_size"], r.config["num_hidden_layers"]) == (4096, 14336, 2)
-    assert sparse.bench_recipe(False).config["num_hidden_layers"] == 4
+    assert _sparse_model.bench_recipe(False).config["num_hidden_layers"] == 4
 
 
 # -- the store: which I/O mode is really in effect ------------------------------------------
@@ -289,7 +289,7 @@ def test_real_shape_runs_every_engine_under_one_absolute_cap_and_refuses_speedup
     spec = LLAMA_3_1_8B.scaled(name="test-sparse-real-shape", hidden_size=256, intermediate_size=1024,
                                num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=TOKENIZER_VOCAB,
                                max_position_embeddings=4096, rope_scaling=None, max_file_bytes=4 << 20)
-    monkeypatch.setattr(sparse, "real_spec", lambda layers, quick: spec)
+    monkeypatch.setattr(_sparse_model, "real_spec", lambda layers, quick: spec)
     monkeypatch.setattr(io_mod, "fs_type", lambda _path: "tmpfs")
     frac = 150.0  # the interpreter and torch alone are ~300 MB: far more than this 6 MB model
     lines: list[str] = []
@@ -310,7 +310,7 @@ def test_real_shape_runs_every_engine_under_one_absolute_cap_and_refuses_speedup
     for r in out["thresholds"]:  # the engine chose its budget: at least one layer's set, at most the cap
         assert r["skipped"] is None and out["min_cache_budget_bytes"] <= r["cache_budget_bytes"] < out["cap_bytes"]
     assert out["thresholds"][0]["top1_agreement"] == 1.0  # threshold 0 in predicted mode: the dense model
-    assert out["context_length"] == sparse.CONTEXT
+    assert out["context_length"] == _sparse_runs.CONTEXT
     assert out["io"]["requested"] == "o_direct" and out["io"]["effective"] == "buffered"
     assert "tmpfs" in out["io"]["fallback_reason"]
     assert "O_DIRECT was requested" in out["speedup_refused"] and "page cache" in out["speedup_refused"]

@@ -314,7 +314,9 @@ def test_a_peer_without_disk_space_refuses_before_the_transfer(tmp_path, demo_di
     pytest.importorskip("openvino")
     pytest.importorskip("torch")
     from engine.fleet.discovery import INFO_OFFSET, Peer, async_query_info
-    from engine.fleet.launch import LaunchConfig, StageRefused, launch_fleet
+    from engine.fleet.launch import launch_fleet
+    from engine.fleet.launch_config import LaunchConfig
+    from engine.fleet.refusal import StageRefused
 
     demo_dir("demo")
     me = KeyPair.generate()

@@ -27,7 +27,9 @@ from fleet_helpers import AgentProc, pair, set_idle  # noqa: E402
 
 from engine.fleet.client import AgentClient, NotPaired  # noqa: E402
 from engine.fleet.discovery import INFO_OFFSET, Peer, async_query_info  # noqa: E402
-from engine.fleet.launch import FleetSession, LaunchConfig, launch_fleet  # noqa: E402
+from engine.fleet.launch import launch_fleet  # noqa: E402
+from engine.fleet.launch_config import LaunchConfig  # noqa: E402
+from engine.fleet.session import FleetSession  # noqa: E402
 from engine.transport.security import KeyPair  # noqa: E402
 from engine.pipeline.plan import PlanError  # noqa: E402
 from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E402

@@ -15,7 +15,9 @@ import time
 import pytest
 
 from engine.fleet.discovery import Peer
-from engine.fleet.launch import FleetSession, LaunchConfig, peer_profile
+from engine.fleet.launch_config import LaunchConfig
+from engine.fleet.launch_plan import peer_profile
+from engine.fleet.session import FleetSession
 from engine.transport.security import KeyPair
 from engine.pipeline import plan_weights
 from engine.pipeline.plan import PlanError, PlanModel, PlanRequest

@@ -16,7 +16,7 @@ import zmq
 from engine.fleet import bundle, demo_mode
 from engine.transport.curve_data import CurveEnd, LocalRingKeys, write_curve_file
 from engine.fleet.discovery import Peer
-from engine.fleet.launch import peer_links, peer_profile
+from engine.fleet.launch_plan import peer_links, peer_profile
 from engine.transport.security import KeyPair
 from engine.fleet.workers import pipeline_worker_command, render_command
 from engine.protocol.codec import decode, encode
@@ -265,7 +265,8 @@ def test_a_refused_stage_is_reported_from_the_refusal_fields():
     fields (the agent's text is for its log), names stage, peer, device, reason and
     numbers on one line, and reports every refusing stage at once."""
     from engine.fleet.client import AgentRefused, FleetError
-    from engine.fleet.launch import _raise_refusals, _refused, _Stage
+    from engine.fleet.launch_errors import _raise_refusals, _refused
+    from engine.fleet.ring_stage import _Stage
     from engine.fleet.refusal import StageRefused, describe
     from engine.pipeline.plan import PlanError
     from engine.protocol.errors import BYTE_REASONS, REFUSAL_REASONS, Refusal

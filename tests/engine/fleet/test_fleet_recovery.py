@@ -28,7 +28,8 @@ pytest.importorskip("torch")
 from engine_helpers import chat, reference_greedy  # noqa: E402
 from fleet_helpers import AgentProc, pair, set_idle  # noqa: E402
 
-from engine.fleet.launch import LaunchConfig, launch_fleet  # noqa: E402
+from engine.fleet.launch import launch_fleet  # noqa: E402
+from engine.fleet.launch_config import LaunchConfig  # noqa: E402
 from engine.transport.security import KeyPair  # noqa: E402
 from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E402
 from test_fleet_launch import _peer  # noqa: E402

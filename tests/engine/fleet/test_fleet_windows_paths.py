@@ -25,7 +25,7 @@ import pytest
 
 from engine import aio
 from engine.fleet import demo_mode
-from engine.fleet.agent import install_stop_signals, watch_stdin
+from engine.fleet.agent_process import install_stop_signals, watch_stdin
 from engine.transport.security import KeyPair
 from engine.fleet.workers import WorkerSupervisor
 from engine.platform import process, winjob
@@ -189,7 +189,7 @@ def test_a_child_forked_while_the_agent_waits_on_stdin_can_close_it(tmp_path):
     # OpenVINO's telemetry forks a multiprocessing child from a thread of the agent; that child
     # closes sys.stdin first thing. With a buffered read of stdin blocked in another thread, the
     # fork inherits that read's lock held and hangs for ever (seen: orphaned agents' forks).
-    code = ("import multiprocessing as mp, sys, time; from engine.fleet.agent import watch_stdin; "
+    code = ("import multiprocessing as mp, sys, time; from engine.fleet.agent_process import watch_stdin; "
             "watch_stdin(lambda: None); time.sleep(0.3); "
             "p = mp.get_context('fork').Process(target=print, args=('child ok',)); p.start(); p.join(10); "
             "print('exit', p.exitcode, flush=True)")

@@ -10,7 +10,7 @@ from engine.protocol.messages import GenerateRequest, SamplingParams
 from engine.protocol.structured import ToolSpec
 from engine.runtime.chat import chat_ids
 from engine.local.batched import BatchedEngine
-from engine.serve.fields import engine_refusal
+from engine.core.refusal import engine_refusal
 from engine_helpers import CONVERSATION, chat, collect, reference_greedy
 
 N = 24

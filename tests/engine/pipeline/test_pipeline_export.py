@@ -217,7 +217,7 @@ def test_pieces_follow_the_byte_budget():
     """A shard is traced in pieces of at most PIECE_BYTES (>= 1 part each, the
     embedding and head counted like layers); int4 traces the embedding and the
     head alone, and so does int8 (they are quantised per row by compress_rows_int8)."""
-    from engine.pipeline.export import Piece, plan_pieces
+    from engine.pipeline.export_pieces import Piece, plan_pieces
 
     class Ckpt:  # 6 layers of 100 bytes, embedding 60, head 300 (bf16 elements)
         shapes = {**{f"model.layers.{i}.w": (50,) for i in range(6)},

@@ -21,11 +21,9 @@ from engine.pipeline.plan import (
     PlanModel,
     PlanRequest,
     auto_plan,
-    gb,
-    link_between,
-    links_from_list,
-    links_to_list,
 )
+from engine.pipeline.plan_issues import gb
+from engine.pipeline.plan_peers import link_between, links_from_list, links_to_list
 from engine.pipeline.plan_validate import (
     evaluate_plan,
     exclude_peer,

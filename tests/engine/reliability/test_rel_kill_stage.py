@@ -138,7 +138,7 @@ def test_graceful_migration_keeps_streams(engine, references):
 
 
 def test_when_nothing_can_host_the_user_is_told_why(demo_dir):
-    from engine.pipeline.recovery import RecoveryImpossible
+    from engine.pipeline.recovery_provider import RecoveryImpossible
     from engine.pipeline.runner import FleetConfig, launch_pipeline
 
     eng = launch_pipeline(FleetConfig(model="demo", stages=2, exact=True, spares=0))

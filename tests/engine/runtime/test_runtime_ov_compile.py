@@ -73,3 +73,25 @@ def test_unknown_precision_is_refused_with_a_code() -> None:
     with pytest.raises(CompileConfigError) as e:
         compile_config("CPU", "int3")
     assert e.value.code == "unknown-precision" and "int3" in str(e.value)
+
+
+def test_one_thread_never_computes_in_bf16(monkeypatch) -> None:
+    """OpenVINO 2026.4's CPU plugin dies with SIGFPE running bf16 on one thread (AMX Xeons):
+    where the plugin's default math is bf16, a one-thread CPU compile asks for f32; an explicit
+    bf16 on one thread is refused; more threads, f32/f16, GPUs and CPUs without bf16 are untouched."""
+    from engine.runtime import ov_compile
+    from engine.runtime.ov_compile import single_thread_precision
+
+    bf16_cpu, avx2_cpu = ("BF16", "FP32", "INT8"), ("FP32", "INT8")
+    assert single_thread_precision("default", 1, bf16_cpu) == "f32"
+    assert single_thread_precision("default", 1, avx2_cpu) == "default"
+    assert single_thread_precision("default", 2, bf16_cpu) == "default"
+    assert single_thread_precision("f16", 1, bf16_cpu) == "f16"
+    with pytest.raises(CompileConfigError, match="one CPU thread"):
+        single_thread_precision("bf16", 1, bf16_cpu)
+    monkeypatch.setattr(ov_compile, "cpu_capabilities", lambda: bf16_cpu)
+    assert compile_config("CPU", threads=1)["INFERENCE_PRECISION_HINT"] == "f32"
+    assert "INFERENCE_PRECISION_HINT" not in compile_config("CPU", threads=2)
+    assert "INFERENCE_PRECISION_HINT" not in compile_config("GPU", threads=1)
+    monkeypatch.setattr(ov_compile, "allowed_cpus", lambda: 1)  # as under `taskset -c 0`
+    assert compile_config("CPU")["INFERENCE_PRECISION_HINT"] == "f32"

@@ -34,6 +34,6 @@ def wide_model(flotilla_cache):
 @pytest.fixture(scope="session")
 def wide_model_bf16(wide_model):
     """The same model with bf16 weights (as real checkpoints ship)."""
-    from engine.bench.sparse import with_dtype
+    from engine.bench._sparse_model import with_dtype
 
     return with_dtype(wide_model, "bf16", lambda _m: None)

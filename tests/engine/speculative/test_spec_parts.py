@@ -93,18 +93,20 @@ def test_request_field_validates_and_resolves():
 
 
 def test_api_request_extension():
-    from engine.serve.api import ApiError, ChatCompletionRequest, _build
+    from engine.serve.errors import ApiError
+    from engine.serve.request_mapping import build_request
+    from engine.serve.request_models import ChatCompletionRequest
 
     body = ChatCompletionRequest.model_validate({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                                                  "speculative": {"mode": "lookup", "k": 4}})
-    assert _build("r", body).speculative == SpeculativeParams("lookup", 4)
+    assert build_request("r", body).speculative == SpeculativeParams("lookup", 4)
     body = ChatCompletionRequest.model_validate({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                                                  "speculative": "draft"})
-    assert _build("r", body).speculative == SpeculativeParams("draft")
+    assert build_request("r", body).speculative == SpeculativeParams("draft")
     body = ChatCompletionRequest.model_validate({"model": "demo", "messages": [{"role": "user", "content": "hi"}],
                                                  "speculative": {"mode": "lookup", "k": 99}})
     with pytest.raises(ApiError) as e:
-        _build("r", body)
+        build_request("r", body)
     assert e.value.param == "speculative" if hasattr(e.value, "param") else True
     with pytest.raises(Exception):
         ChatCompletionRequest.model_validate({"model": "demo", "messages": [{"role": "user", "content": "hi"}],

@@ -1,0 +1,133 @@
+"""One measured `flotilla bench moe` run: open the MoE engine, run concurrent requests
+through it and take its figures, in this process or in a child inside a capped memory
+group (engine/bench/_moe_cell.py); and the disk probe with the engine's reader.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+PROMPTS = ["Once upon a time", "The robot walked into", "Tell me about the sea", "A small cat",
+           "In the morning the", "She opened the door and", "Why is the sky", "The old man said"]
+CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + tokens fit)
+
+
+def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: int, direct: bool):
+    """The engine of one run. budget None: the engine's own (what this process's memory leaves)."""
+    from engine.moe.engine import MoEConfig, MoEEngine
+
+    cfg = MoEConfig(scheduler=sched, cache_budget_bytes=budget, direct_io=direct, max_concurrent=conc,
+                    context_length=CONTEXT)
+    return MoEEngine(store_dir, model_id, cfg)
+
+
+def one_run(store_dir, model_id: str, sched: str, budget: int | None, conc: int, tokens: int,
+            direct: bool) -> tuple[dict[str, float], dict[str, Any]]:
+    """(figures of one run, the io_info() of the store its engine read through)."""
+    return measure(open_engine(store_dir, model_id, sched, budget, conc, direct), sched, conc, tokens)
+
+
+def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Run conc requests of `tokens` tokens through an open engine, then close it."""
+    from engine.protocol.messages import GenerateRequest, SamplingParams
+
+    try:
+        reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
+                                sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(conc) as pool:
+            finals = list(pool.map(lambda r: list(engine.stream(engine.submit(r)))[-1], reqs))
+        wall = time.perf_counter() - t0
+        st = engine.stats()
+        io_info = engine.store.io_info()
+        cache_budget = engine.memory["cache_budget_bytes"]
+    finally:
+        engine.close()
+    for f in finals:
+        if f.error:
+            raise RuntimeError(f"{sched}: request failed: {f.error}")
+    out_tokens = sum(f.usage.completion_tokens for f in finals)
+    tpot = [(f.timings.total_s - f.timings.ttft_s) / (f.usage.completion_tokens - 1)
+            for f in finals if f.usage.completion_tokens > 1]
+    return {"tok_s": out_tokens / wall, "s_per_token": wall / out_tokens,
+            "tpot_s": statistics.mean(tpot) if tpot else 0.0, "hit_rate": st["hit_rate"],
+            "mb_per_token": st["bytes_read"] / 1e6 / out_tokens, "mean_group": st["mean_group"],
+            "mean_batch": st["mean_batch"],
+            "disk_mb_s_busy": st["bytes_read"] / 1e6 / st["io_busy_s"] if st["io_busy_s"] else 0.0,
+            "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall,
+            "compute_s_per_token": st["compute_s"] / out_tokens, "cache_budget_mb": cache_budget / 1e6}, io_info
+
+
+def capped_run(cell: dict[str, Any], cap: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """one_run in a child process inside a memory group capped at `cap` bytes; its figures
+    plus the group's peak, limit hits and OOM kills and the child's anonymous peak."""
+    import json
+    import subprocess
+    import sys
+
+    from engine.bench._cgroup import MemoryGroup, PeakSampler
+
+    argv = [sys.executable, "-m", "engine.bench._moe_cell", json.dumps(cell)]
+    with MemoryGroup(f"moe-{cell['sched']}-{cell['conc']}", cap) as group:
+        proc = group.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with PeakSampler(group, interval=0.2) as sampler:
+            out, err = proc.communicate(timeout=3600)
+        stats = group.stats()
+    if proc.returncode != 0 or not out.strip():
+        why = "OOM-killed" if stats.oom_kills else f"exit {proc.returncode}"
+        raise RuntimeError(f"{cell['sched']} c={cell['conc']} under a {cap / 1e6:.0f} MB cap: {why}: "
+                           f"{' '.join(err.split())[-600:]}")
+    m, info = json.loads(out.strip().splitlines()[-1])
+    peak = max((p.rss_anon_peak_bytes for p in sampler.peaks()), default=0)
+    m.update(group_max_usage_mb=stats.max_usage_bytes / 1e6, failcnt=stats.failcnt, oom_kills=stats.oom_kills,
+             rss_anon_peak_mb=peak / 1e6)
+    return m, info
+
+
+def capped_above_setup(cell: dict[str, Any], budget: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """one_run in a child whose memory group is capped, once its engine is set up, at its
+    usage then + 16 MiB + the cache budget (the sparse bench's rule for tiny models)."""
+    import json
+
+    from engine.sparse.baseline import run_capped_child
+
+    r = run_capped_child(["engine.bench._moe_cell", json.dumps({**cell, "handshake": True})], budget,
+                         what=f"{cell['sched']} c={cell['conc']}")
+    m = r["figures"]
+    m.update(group_max_usage_mb=r["max_usage_bytes"] / 1e6, group_limit_mb=r["cgroup_limit_bytes"] / 1e6,
+             setup_usage_mb=r["setup_usage_bytes"] / 1e6, oom_kills=r["oom_kills"])
+    return m, r["io_info"]
+
+
+def above_setup_cap(cells: dict, budget: int) -> dict[str, Any]:
+    runs = [r for rs in cells.values() for r in rs]
+    return {"rule": "above_setup: each run's memory group is capped, once its engine is set up, at the "
+                    "usage then + 16 MiB + the cache budget",
+            "cache_budget_mb": round(budget / 1e6, 3),
+            "max_over_setup_mb": round(max(r["group_max_usage_mb"] - r["setup_usage_mb"] for r in runs), 1),
+            "oom_kills": sum(r["oom_kills"] for r in runs), "context_per_request": CONTEXT}
+
+
+def disk_bandwidth(store, n: int = 96, threads: int = 4) -> float:
+    """Bytes/s reading random blobs with the engine's reader (the store's io_mode, thread pool)."""
+    import random
+
+    from engine.moe.store import aligned_buffer
+
+    import threading
+
+    keys = random.Random(0).sample(store.keys, min(n, len(store.keys)))
+    local = threading.local()  # one aligned buffer per reader thread
+
+    def read(key) -> None:
+        if not hasattr(local, "buf"):
+            local.buf = aligned_buffer(store.index.blob_bytes)
+        store.read_into(key, local.buf)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, keys))
+    return len(keys) * store.index.blob_bytes / (time.perf_counter() - t)
