@@ -1,7 +1,7 @@
 """The plan editor: pick a model, an engine and peers; see and edit how the
 layers are split; launch.
 
-The planner (engine/pipeline/plan.py, through engine.client) is pure and
+The planner (engine/planner/plan.py, through engine.client) is pure and
 fast, so edits (drag a boundary, pick a device, change the context) are
 re-evaluated right here for live feedback; Auto-plan, which searches every
 peer order, runs on the Runner. The editor always keeps a plan on screen:

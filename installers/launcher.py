@@ -7,7 +7,7 @@ pyproject.toml (installers/flotilla.spec). Besides that it makes the bundle
 behave like a Python install where Flotilla relies on one:
 
 - `sys.executable -m MODULE ...` and `sys.executable -c CODE ...`: the agent
-  starts shard workers as `{python} -m engine.pipeline.worker ...`, the local
+  starts shard workers as `{python} -m engine.shards.worker ...`, the local
   pipeline and the benchmarks do the same. In a bundle sys.executable is this
   executable, so those two Python flags are emulated here (with runpy), and
   the workers run from the same bundle with no Python installed.

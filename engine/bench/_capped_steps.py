@@ -1,7 +1,7 @@
 """One-shot steps of `flotilla bench scale`, each a fresh process in its own capped memory group.
 
-    export   engine.pipeline.export.ensure_shard of one layer range (the exporter a user's PC runs)
-    forward  one shard run over n teacher-forced positions (engine.pipeline.shard_runtime):
+    export   engine.shards.export.ensure_shard of one layer range (the exporter a user's PC runs)
+    forward  one shard run over n teacher-forced positions (engine.shards.runtime):
              stage 0 reads token ids, the others the previous stage's hidden states; the last
              writes the greedy next token of every position
     baseline import what a step (or an agent and its worker) imports, hold nothing: the memory a
@@ -100,7 +100,7 @@ def folder_bytes(path: Path) -> int:
 
 
 def _export(a: argparse.Namespace) -> dict[str, Any]:
-    from engine.pipeline.export import ensure_shard
+    from engine.shards.export import ensure_shard
 
     cache = Path(a.cache)
     before = {p.name for p in cache.iterdir()} if cache.exists() else set()
@@ -115,7 +115,7 @@ def _export(a: argparse.Namespace) -> dict[str, Any]:
 def _forward(a: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
-    from engine.pipeline.shard_runtime import ShardRunner
+    from engine.shards.runtime import ShardRunner
 
     t0 = time.monotonic()
     runner = ShardRunner(Path(a.shard), exact=a.exact)
@@ -154,10 +154,10 @@ def _forward(a: argparse.Namespace) -> dict[str, Any]:
 # Modules each kind of process imports (baseline step).
 BASELINE_MODULES = {
     "export": ("torch", "transformers", "transformers.models.llama.modeling_llama", "openvino", "nncf",
-               "engine.pipeline.export"),
-    "forward": ("openvino", "engine.pipeline.shard_runtime"),
+               "engine.shards.export"),
+    "forward": ("openvino", "engine.shards.runtime"),
     "agent": ("engine.fleet.agent", "engine.fleet.agent_process"),
-    "worker": ("openvino", "engine.pipeline.worker"),
+    "worker": ("openvino", "engine.shards.worker"),
 }
 
 

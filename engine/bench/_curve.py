@@ -152,7 +152,7 @@ class _Ring:
         try:
             links = []
             for i, (shard, (start, end)) in enumerate(zip(shards, ranges)):
-                argv = ["taskset", "-c", str(cores[i % len(cores)]), sys.executable, "-m", "engine.pipeline.worker",
+                argv = ["taskset", "-c", str(cores[i % len(cores)]), sys.executable, "-m", "engine.shards.worker",
                         "--shard", shard, "--bind", "tcp://127.0.0.1:*", "--name", f"stage {i}",
                         "--threads", str(threads), "--parent-pid", str(os.getpid())]
                 if blobs:

@@ -44,7 +44,7 @@ def main() -> None:
 def _handle(state: dict, cmd: dict) -> dict:
     kind = cmd["cmd"]
     if kind == "setup_mono":
-        from engine.pipeline.shard_runtime import ShardRunner
+        from engine.shards.runtime import ShardRunner
 
         state["mono"] = ShardRunner(Path(cmd["shard"]), cache_dir=Path(cmd["blobs"]),
                                     config={"INFERENCE_NUM_THREADS": int(cmd["threads"])})
@@ -135,7 +135,7 @@ def _setup_ring(state: dict, cmd: dict) -> None:
     hosts = cmd.get("stage_hosts") or [cmd["host"]] * len(cmd["shards"])
     links = []
     for i, (shard, (start, end), core) in enumerate(zip(cmd["shards"], cmd["ranges"], cmd["cores"])):
-        argv = [*cmd["stage_prefix"][i], "taskset", "-c", str(core), sys.executable, "-m", "engine.pipeline.worker",
+        argv = [*cmd["stage_prefix"][i], "taskset", "-c", str(core), sys.executable, "-m", "engine.shards.worker",
                 "--shard", shard, "--bind", f"tcp://{hosts[i]}:*", "--name", f"stage {i}",
                 "--threads", str(cmd["threads"]), "--cache-dir", cmd["blobs"], "--parent-pid", str(os.getpid())]
         log_path = log_dir / f"stage-{i}-{os.getpid()}.log"

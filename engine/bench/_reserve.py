@@ -10,7 +10,7 @@ For each model size and weight precision a middle shard (layers [2, 6) of an
 It prints RssAnon (/proc/PID/status: anonymous memory, what a cgroup cap and
 the OOM killer count; mapped IR file pages are reclaimable and excluded) at
 each step, and `RssAnon - shard bytes` = the runtime reserve the planner adds
-to a stage (engine/pipeline/plan.py RUNTIME_RESERVE_*). Two sizes separate a
+to a stage (engine/planner/plan.py RUNTIME_RESERVE_*). Two sizes separate a
 fixed part from one proportional to the weights (a least-squares line per
 precision). With --kv-tokens, the stream then prefills in --chunk-token chunks
 up to that many tokens: the RssAnon slope per token of context is KV + prefill
@@ -45,7 +45,7 @@ def child(shard: str, exact: bool, kv_tokens: int, chunk: int) -> dict:
     """Runs in the fresh process: compile, one inference, optional KV sweep."""
     import numpy as np
 
-    from engine.pipeline.shard_runtime import ShardRunner
+    from engine.shards.runtime import ShardRunner
 
     steps = {"python": rss()}
     import openvino  # noqa: F401
@@ -86,7 +86,7 @@ def shard_bytes(folder: Path) -> int:
 
 
 def measure(model_path: Path, precision: str, exact: bool, kv_tokens: int, chunk: int = CHUNK) -> dict:
-    from engine.pipeline.export import ensure_shard
+    from engine.shards.export import ensure_shard
 
     info = ensure_shard(model_path, 2, 6, num_layers_total=8, precision=precision)
     out = subprocess.run([sys.executable, "-m", "engine.bench._reserve", "--child", info.path,

@@ -11,7 +11,7 @@ same precision, context and one stream: `Stage.process_bytes`.
 
 Varied chunk sizes matter for MoE shards: each routed expert's MatMul sees a
 different batch every call, and the CPU plugin's memory grows with the mix
-(plan_memory.EXPERT_COPIES); a fixed chunk size would hide it.
+(planner.memory.EXPERT_COPIES); a fixed chunk size would hide it.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _child(shard: Path, calls: list[int], seed: int) -> dict[str, Any]:
     """Run in the measuring process: load, feed `calls`, anonymous memory after each."""
     import numpy as np
 
-    from engine.pipeline.shard_runtime import ShardRunner
+    from engine.shards.runtime import ShardRunner
 
     before = _anon_bytes()
     runner = ShardRunner(shard)
@@ -87,8 +87,8 @@ def measure(shard: Path, calls: list[int], seed: int = 0, timeout_s: float = 180
 def planned(model_path: Path, ranges: list[tuple[int, int]], precision: str, context: int) -> list[dict[str, int]]:
     """The planner's memory for each stage of these ranges, one CPU peer each, one stream."""
     from engine.models import profile_model
-    from engine.pipeline.plan import DeviceProfile, PeerProfile, PlanModel, PlanRequest
-    from engine.pipeline.plan_validate import evaluate_plan
+    from engine.planner.plan import DeviceProfile, PeerProfile, PlanModel, PlanRequest
+    from engine.planner.validate import evaluate_plan
 
     model = PlanModel.from_profile(profile_model(model_path))
     peers = [PeerProfile(f"p{i}", f"p{i}", (DeviceProfile("CPU", "CPU"),), 1 << 50) for i in range(len(ranges))]

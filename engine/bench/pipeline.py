@@ -5,7 +5,7 @@ A compute-bound random-weight Llama (engine.bench.shards.dense_recipe) runs
   monolithic  the whole model ([0, L) shard, fused stateful KV) in ONE child
               process pinned to one core (taskset), driven directly through
               ShardRunner: N streams round-robin, no messaging at all;
-  pipeline    2 stage worker processes (engine.pipeline.worker, the shards
+  pipeline    2 stage worker processes (engine.shards.worker, the shards
               [0, L/2) and [L/2, L)), each pinned to its own core, driven by
               the PipelineEngine coordinator (engine.pipeline.coordinator)
               running in another child process, pinned (see below);
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     from engine.bench.shards import dense_recipe, model_summary
     from engine.pipeline.runner import even_split
     from engine.models.demo import cache_root, ensure_recipe
-    from engine.pipeline.export import ensure_shard
+    from engine.shards.export import ensure_shard
 
     quick = bool(args.quick)
     tokens = args.tokens or (24 if quick else 64)

@@ -9,7 +9,7 @@ cgroup-v1 memory cap smaller than what it works on.
 2. Reference (engine/bench/_reference.py): transformers, one decoder layer at a time, greedy
    next token at each of --positions (256) teacher-forced positions of a corpus text; cached.
 3. For each precision, with even 2-stage ranges:
-   export   each stage exported by engine.pipeline.export.ensure_shard in a fresh process
+   export   each stage exported by engine.shards.export.ensure_shard in a fresh process
             inside a memory group capped at --export-cap x the bf16 checkpoint (default 0.6);
    forward  each stage run over the 256 positions (one process per stage, capped at
             --worker-cap x the whole model at that precision): teacher-forced top-1 agreement
@@ -152,7 +152,7 @@ def measure_precision(model_path: Path, precision: str, caps: Caps, *, ckpt_byte
 
     from engine.bench._capped_fleet import CapRule, run_capped_fleet
     from engine.bench._capped_steps import run_capped
-    from engine.pipeline.export import model_fingerprint, shard_cache_root
+    from engine.shards.export import model_fingerprint, shard_cache_root
 
     cache = shard_cache_root()
     fingerprint = model_fingerprint(model_path)
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     streams = [int(s) for s in str(args.streams).split(",") if s.strip()]
     if not 0 < args.export_cap < 1 or not 0 < args.worker_cap < 1:
         raise SystemExit("--export-cap and --worker-cap are fractions in (0, 1): a cap must be below what it caps")
-    from engine.pipeline.export import PRECISIONS as KNOWN
+    from engine.shards.export import PRECISIONS as KNOWN
 
     unknown = [p for p in precisions if p not in KNOWN]
     if unknown or not precisions:

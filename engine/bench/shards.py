@@ -174,8 +174,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     from engine.models.demo import cache_root, ensure_recipe
     import openvino as ov
 
-    from engine.pipeline.export import ensure_shard
-    from engine.pipeline.shard_runtime import ShardRunner, runtime_op_counts
+    from engine.shards.export import ensure_shard
+    from engine.shards.runtime import ShardRunner, runtime_op_counts
 
     quick = bool(args.quick)
     layers = args.layers or (8 if quick else 16)
@@ -286,7 +286,7 @@ def memory_runs(path, layers: int, ranges: list, args: argparse.Namespace,
                 report: Callable[[str], None]) -> dict[str, Any]:
     """Each whole / split shard alone in its own process at each --memory-weights precision."""
     from engine.bench._shard_memory import planned, schedule, stage_memory
-    from engine.pipeline.export import ensure_shard
+    from engine.shards.export import ensure_shard
 
     precisions = [w.strip() for w in str(args.memory_weights).split(",") if w.strip()]
     calls = schedule(args.memory_context, 512, args.memory_decode)

@@ -81,8 +81,8 @@ def rollback_figures(path: Path, layers: int, contexts: list[int], threads: int,
                      report: Callable[[str], None]) -> dict[str, Any]:
     import numpy as np
 
-    from engine.pipeline.export import ensure_shard
-    from engine.pipeline.shard_runtime import ShardRunner
+    from engine.shards.export import ensure_shard
+    from engine.shards.runtime import ShardRunner
     from engine.runtime.kv_state import VisibleMask, state_bytes, trim_state
 
     info = ensure_shard(path, 0, layers, num_layers_total=layers)

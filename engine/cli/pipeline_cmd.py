@@ -24,7 +24,7 @@ from engine.cli.chat_cmd import (add_sampling_arguments, add_speculative_argumen
 from engine.cli.errors import UserError
 from engine.cli.progress import TerminalProgress
 
-# The labels engine/pipeline/plan_weights.py accepts (kept here so --help needs no numpy import).
+# The labels engine/planner/weights.py accepts (kept here so --help needs no numpy import).
 WEIGHT_CHOICES = ("auto", "f32", "bf16", "fp16", "int8", "int4")
 
 
@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def fleet_config_from_args(args: argparse.Namespace):
-    from engine.pipeline.plan import PlanError
+    from engine.planner.plan import PlanError
     from engine.pipeline.runner import FleetConfig, parse_split
 
     try:
@@ -81,8 +81,8 @@ class _PlanShown(Exception):
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    from engine.pipeline.plan import PlanError
-    from engine.pipeline.plan_weights import describe_plan
+    from engine.planner.plan import PlanError
+    from engine.planner.weights import describe_plan
     from engine.pipeline.runner import launch_pipeline
 
     sampling = sampling_from_args(args)  # validate before the (slow) start

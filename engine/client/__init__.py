@@ -26,7 +26,7 @@ replace one on this package. Heavy imports (torch, OpenVINO, transformers, zmq)
 happen lazily inside the functions, so importing this package is cheap and the
 app can show its window before any engine code is loaded. No Qt here. Functions
 marked "blocking" run on the app's background runner, never on the GUI thread.
-The planner's types (Plan, PlanModel, PlanError...) are engine.pipeline.plan's,
+The planner's types (Plan, PlanModel, PlanError...) are engine.planner.plan's,
 imported on first use.
 """
 
@@ -73,7 +73,7 @@ _PLAN_NAMES = {"PlanError", "Plan", "PlanModel", "PlanRequest", "PeerProfile", "
 
 def __getattr__(name: str) -> Any:
     if name in _PLAN_NAMES:
-        from engine.pipeline import plan
+        from engine.planner import plan
 
         return getattr(plan, name)
     raise AttributeError(f"module 'engine.client' has no attribute {name!r}")

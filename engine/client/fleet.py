@@ -17,7 +17,7 @@ from engine.core.interface import Engine, EngineError
 
 if TYPE_CHECKING:
     from engine.fleet.launch_reports import StageProgress
-    from engine.pipeline.plan import Plan
+    from engine.planner.plan import Plan
     from engine.transport.security import KeyPair
 
 
@@ -386,7 +386,7 @@ def launch_fleet(spec: str, plan: Plan, cards: Sequence[PeerCard],
     except LaunchCancelled:
         raise
     except Exception as e:
-        from engine.pipeline.plan import PlanError
+        from engine.planner.plan import PlanError
 
         if cancel.is_set():
             raise LaunchCancelled("launch cancelled") from None

@@ -11,7 +11,7 @@ from engine.client.engines import SpecChoice, spec_config
 from engine.core.interface import Engine, EngineError
 
 if TYPE_CHECKING:
-    from engine.pipeline.plan import Plan
+    from engine.planner.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def launch_pipeline(spec: str, plan: Plan, step: Callable[[LaunchStep], None] | 
     `cancel` stops every process and raises LaunchCancelled. `speculative`: a
     SpecChoice (or None = off); `recover`: re-plan onto a warm standby when a
     stage dies (recovery, not launch)."""
-    from engine.pipeline.plan_weights import refuse
+    from engine.planner.weights import refuse
     from engine.pipeline.runner import FleetConfig
     from engine.pipeline.runner import LaunchCancelled as RunnerCancelled
     from engine.pipeline.runner import launch_pipeline as run

@@ -12,14 +12,14 @@ from engine.client.models import model_profile
 
 if TYPE_CHECKING:
     from engine.models import ModelProfile
-    from engine.pipeline.plan import Plan, PlanIssue, PlanModel, PlanRequest, PeerProfile
+    from engine.planner.plan import Plan, PlanIssue, PlanModel, PlanRequest, PeerProfile
 
     StagesOrPlan = Union[Plan, Sequence[tuple[str, str, int, int]]]  # (peer_id, device, start, end) per stage
 
 
 def plan_model(spec: str) -> tuple[PlanModel, ModelProfile]:
     """(PlanModel, ModelProfile) for a model: what the planner partitions. Blocking."""
-    from engine.pipeline.plan import PlanModel
+    from engine.planner.plan import PlanModel
 
     profile = model_profile(spec)
     return PlanModel.from_profile(profile), profile
@@ -29,7 +29,7 @@ def local_peers(count: int, card: PeerCard | None = None) -> list[PeerProfile]:
     """`count` simulated stages on this PC ("this PC ×N"): PeerProfiles that
     share this PC's free RAM equally and offer its devices. The local runner
     starts one real worker process per stage on loopback."""
-    from engine.pipeline.plan import DEVICE_KINDS, DeviceProfile, PeerProfile
+    from engine.planner.plan import DEVICE_KINDS, DeviceProfile, PeerProfile
 
     card = card or this_pc()
     devices = tuple(DeviceProfile(d.split(".")[0] if d.split(".")[0] in DEVICE_KINDS else "CPU", d)
@@ -42,7 +42,7 @@ def local_peers(count: int, card: PeerCard | None = None) -> list[PeerProfile]:
 
 def fleet_peers(cards: Sequence[PeerCard]) -> list[PeerProfile]:
     """PeerProfiles for the planner from reachable fleet cards."""
-    from engine.pipeline.plan import DEVICE_KINDS, DeviceProfile, PeerProfile
+    from engine.planner.plan import DEVICE_KINDS, DeviceProfile, PeerProfile
 
     out = []
     for c in cards:
@@ -64,8 +64,8 @@ def plan_request(context_length: int | None = None, streams: int = 1, weight_pre
     at which the plan fits, from the model's own dtype, PlanModel.checkpoint_precision,
     down). Every planning function below returns a Plan at one concrete precision
     (plan_precision(plan)). PlanError (code bad_weights) for an unknown precision."""
-    from engine.pipeline.plan import PlanRequest
-    from engine.pipeline.plan_weights import check_choice
+    from engine.planner.plan import PlanRequest
+    from engine.planner.weights import check_choice
 
     return PlanRequest(context_length=context_length, streams=streams, weight_precision=check_choice(weight_precision))
 
@@ -78,7 +78,7 @@ def plan_precision(plan: Plan) -> str:
 def auto_plan(model: PlanModel, peers: Sequence[PeerProfile], request: PlanRequest,
               pinned: dict[str, str] | None = None) -> Plan:
     """The planner's best plan (PlanError with the reason when nothing fits)."""
-    from engine.pipeline.plan import auto_plan as plan
+    from engine.planner.plan import auto_plan as plan
 
     return plan(model, peers, request, pinned_devices=pinned)
 
@@ -89,7 +89,7 @@ def balanced_plan(model: PlanModel, peers: Sequence[PeerProfile], request: PlanR
     largest stage (by weight bytes) is as small as possible. The planner would
     put a small model on one of N equal local stages (fewest peers win a tie);
     this keeps all N, which is what "this PC ×N" is for."""
-    from engine.pipeline.plan_validate import evaluate_plan as evaluate
+    from engine.planner.validate import evaluate_plan as evaluate
 
     sizes = list(model.bytes_per_layer)
     n = min(len(peers), len(sizes))
@@ -129,7 +129,7 @@ def evaluate_plan(stages: StagesOrPlan, model: PlanModel, peers: Sequence[PeerPr
     """Predictions for these stages ((peer_id, device, start, end) or a Plan) at the asked
     precision ("auto": the most precise at which every stage fits); a stage that
     overflows is marked fits=False, a malformed one raises PlanError."""
-    from engine.pipeline.plan_validate import evaluate_plan as evaluate
+    from engine.planner.validate import evaluate_plan as evaluate
 
     return evaluate(stages, model, peers, request)
 
@@ -137,27 +137,27 @@ def evaluate_plan(stages: StagesOrPlan, model: PlanModel, peers: Sequence[PeerPr
 def validate_plan(stages: StagesOrPlan, model: PlanModel, peers: Sequence[PeerProfile],
                   request: PlanRequest) -> list[PlanIssue]:
     """Every issue of a plan ([] = it can launch). A Plan is checked at its own precision."""
-    from engine.pipeline.plan_validate import validate_plan as validate
+    from engine.planner.validate import validate_plan as validate
 
     return validate(stages, model, peers, request)
 
 
 def move_boundary(plan: Plan, index: int, layer: int, model: PlanModel, peers: Sequence[PeerProfile],
                   request: PlanRequest) -> Plan:
-    from engine.pipeline.plan_validate import move_boundary as move
+    from engine.planner.validate import move_boundary as move
 
     return move(plan, index, layer, model, peers, request)
 
 
 def exclude_peer(plan: Plan, peer_id: str, model: PlanModel, peers: Sequence[PeerProfile],
                  request: PlanRequest) -> Plan:
-    from engine.pipeline.plan_validate import exclude_peer as exclude
+    from engine.planner.validate import exclude_peer as exclude
 
     return exclude(plan, peer_id, model, peers, request)
 
 
 def pin_device(plan: Plan, peer_id: str, device: str, model: PlanModel, peers: Sequence[PeerProfile],
                request: PlanRequest) -> Plan:
-    from engine.pipeline.plan_validate import pin_device as pin
+    from engine.planner.validate import pin_device as pin
 
     return pin(plan, peer_id, device, model, peers, request)

@@ -13,7 +13,7 @@ Steps, each failing with a clear message before the next starts:
    know our key) and ask its Status: the sharing decision, RAM, devices;
    peers that do not share right now are left out (and said why).
 2. plan: the user's Plan when one is given (the plan editor's): validated
-   against the agents' fresh figures (engine.pipeline.plan_validate) and
+   against the agents' fresh figures (engine.planner.validate) and
    launched as is -- boundaries, per-stage peer and device, weight precision,
    context, streams -- never re-planned; a stage that no longer fits (a peer
    left or stopped sharing, its memory shrank) is refused by name. Without
@@ -27,7 +27,7 @@ Steps, each failing with a clear message before the next starts:
    as one bundle made on the fly from the shard folder (engine/fleet/bundle_view.py: no archive
    is written), resumable and hashed
    (skipped when the agent has it), all agents in parallel.
-4. load: each agent starts a real shard worker (engine/pipeline/worker.py)
+4. load: each agent starts a real shard worker (engine/shards/worker.py)
    with CURVE on its data socket, admitting this controller and the other
    agents of the ring; it reports the port it bound.
    An agent that refuses a stage at 3 (its disk) or 4 (its policy's RAM cap,
@@ -82,7 +82,7 @@ from engine.fleet.discovery import Peer
 from engine.fleet.launch_config import LaunchConfig
 from engine.fleet.launch_reports import FleetEvent, Progress
 from engine.fleet.session import FleetSession
-from engine.pipeline.plan import Plan
+from engine.planner.plan import Plan
 from engine.transport.security import KeyPair
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.pipeline.plan import DEFAULT_PREFERENCE
+from engine.planner.plan import DEFAULT_PREFERENCE
 
 
 @dataclass(frozen=True)

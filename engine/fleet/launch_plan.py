@@ -10,8 +10,8 @@ from typing import Any
 
 from engine.fleet.discovery import Peer
 from engine.fleet.ring_stage import _Stage
-from engine.pipeline import plan_weights
-from engine.pipeline.plan import (DEVICE_KINDS, LOOPBACK_LINK, DeviceProfile, PeerProfile, Plan, PlanError,
+from engine.planner import weights as plan_weights
+from engine.planner.plan import (DEVICE_KINDS, LOOPBACK_LINK, DeviceProfile, PeerProfile, Plan, PlanError,
                                   PlanModel, PlanRequest, auto_plan)
 from engine.protocol.control import StatusReply
 
@@ -45,7 +45,7 @@ class LaunchPlanning:
 
     def _make_plan(self, model: PlanModel) -> Plan:
         """The plan to launch: the user's (checked) or our own (reported); PlanError before anything is sent."""
-        from engine.pipeline.plan_validate import evaluate_plan
+        from engine.planner.validate import evaluate_plan
         from engine.pipeline.runner import even_split
 
         if self.user_plan is not None:

@@ -102,7 +102,7 @@ class Decision:
 @dataclass(frozen=True)
 class StartNeed:
     """What a worker will hold, sized by the agent before it starts one (the same
-    memory model as the planner's stage, engine/pipeline/plan.py)."""
+    memory model as the planner's stage, engine/planner/plan.py)."""
 
     weights: int  # the shard's bytes the worker holds (less an embedding read from the mapped file)
     kv: int  # KV for context x streams tokens over its layers, at the runtime's KV width and peak
@@ -117,7 +117,7 @@ def start_need(shard_bytes: int, manifest: dict | None, device: str, exact: bool
                context_length: int, streams: int) -> StartNeed:
     """A worker's memory from its shard manifest (shard.json: layer range, KV heads,
     head dim, hidden size); no manifest: weights and the fixed runtime reserve only."""
-    from engine.pipeline import plan
+    from engine.planner import plan
 
     if not manifest:
         return StartNeed(int(shard_bytes), 0, plan.RUNTIME_RESERVE_BYTES)
@@ -168,8 +168,8 @@ def check_start(policy: SharingPolicy, state: MachineState, device: str, shard_b
     """May a worker for a shard of shard_bytes start on device, with used_bytes
     already taken by running workers? need (start_need) adds its KV and runtime
     reserve; the worker must fit both the policy's RAM cap and free RAM less the
-    OS reserve (engine.pipeline.plan.os_reserve)."""
-    from engine.pipeline.plan import os_reserve
+    OS reserve (engine.planner.plan.os_reserve)."""
+    from engine.planner.plan import os_reserve
 
     base = evaluate(policy, state)
     if not base.share:

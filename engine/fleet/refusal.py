@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.fleet.client import FleetError
-from engine.pipeline.plan import PlanError, PlanIssue
+from engine.planner.plan import PlanError, PlanIssue
 from engine.protocol.errors import Refusal
 
 # What each reason means to the person launching, and how its limit_bytes reads.

@@ -20,7 +20,7 @@ from engine.fleet.launch_errors import _one_line
 from engine.fleet.launch_plan import peer_profile
 from engine.fleet.refusal import StageRefused
 from engine.fleet.ring_stage import _Stage, _stop_local
-from engine.pipeline.plan import DeviceProfile, PeerProfile
+from engine.planner.plan import DeviceProfile, PeerProfile
 from engine.platform import process
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class FleetRingProvider:
                                  f"({'; '.join(why) or 'no other peer'})")
 
     def _try_peer(self, ring: list[_Stage], i: int, peer: Peer) -> _Stage:
-        from engine.pipeline.plan_validate import validate_plan
+        from engine.planner.validate import validate_plan
         from engine.pipeline.recovery import RecoveryImpossible
 
         s, old = self.session, ring[i]
@@ -174,7 +174,7 @@ class FleetRingProvider:
         allow = [p.info.public_key for p in s.peers.values()] + [s.keys.public]
         n = len(s._all)
         curve = write_curve_file(s._local_dir / f"local-{n}.curve.json", s._local_dir / "node.secret", allow)
-        cmd = [sys.executable, "-m", "engine.pipeline.worker", "--shard", str(old.shard_path),
+        cmd = [sys.executable, "-m", "engine.shards.worker", "--shard", str(old.shard_path),
                "--bind", f"tcp://{s._host}:*", "--name", f"stage {old.index} (this PC)", "--device", "CPU",
                "--cache-dir", str(cache_root() / "ov-blobs"), "--parent-pid", str(os.getpid()),
                "--curve", str(curve)] + (["--exact"] if s.cfg.exact else [])

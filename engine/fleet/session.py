@@ -21,8 +21,8 @@ from engine.fleet.launch_plan import LaunchPlanning
 from engine.fleet.launch_reports import FleetEvent, Progress, StageProgress
 from engine.fleet.ring_provider import FleetRingProvider
 from engine.fleet.ring_stage import RemoteWorker, _Stage, _stop_local
-from engine.pipeline import plan_weights
-from engine.pipeline.plan import Plan, PlanModel
+from engine.planner import weights as plan_weights
+from engine.planner.plan import Plan, PlanModel
 from engine.protocol.control import AgentEvent, StatusReply
 from engine.transport.curve_data import CurveEnd
 from engine.transport.security import KeyPair
@@ -142,7 +142,7 @@ class FleetSession(LaunchPlanning):
 
         from engine.fleet.bundle import cached_bundle
         from engine.models.demo import cache_root
-        from engine.pipeline.export import MANIFEST, ensure_shard, model_fingerprint, shard_cache_key, shard_cache_root
+        from engine.shards.export import MANIFEST, ensure_shard, model_fingerprint, shard_cache_key, shard_cache_root
 
         fp = model_fingerprint(model_path)
         for st in self.stages:  # ranges and precision from the plan, one range at a time

@@ -8,7 +8,7 @@ The command is a template (a list of strings) with these placeholders:
   {curve}  the worker's CURVE setup file (engine/transport/curve_data.py)
   {exact}  "--exact" for f32 inference, else the argument is dropped
 The agent's default is pipeline_worker_command(), the real pipeline worker
-(engine/pipeline/worker.py); `flotilla agent --worker-cmd` and
+(engine/shards/worker.py); `flotilla agent --worker-cmd` and
 AgentConfig.worker_command replace it (tests use a tiny worker of their own).
 
 A worker may print one JSON line first on stdout, {"event": "bound",
@@ -55,8 +55,8 @@ KILL_REAP_S = 5.0  # after a kill, wait this long for the exit to be reported
 
 
 def pipeline_worker_command() -> list[str]:
-    """The real shard worker (engine/pipeline/worker.py), CURVE on its data plane."""
-    return ["{python}", "-m", "engine.pipeline.worker", "--shard", "{shard}", "--device", "{device}",
+    """The real shard worker (engine/shards/worker.py), CURVE on its data plane."""
+    return ["{python}", "-m", "engine.shards.worker", "--shard", "{shard}", "--device", "{device}",
             "--bind", "{bind}", "--cache-dir", "{cache}", "--parent-pid", "{parent}",
             "--curve", "{curve}", "{exact}"]
 

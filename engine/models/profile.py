@@ -150,7 +150,7 @@ class ModelProfile:
     @property
     def kv_elements_per_token(self) -> int:
         """K + V elements one token keeps over all layers; bytes = this x the runtime's
-        element size (engine.pipeline.plan.kv_element_bytes)."""
+        element size (engine.planner.plan.kv_element_bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @property

@@ -16,7 +16,7 @@ import numpy as np
 import zmq
 
 from engine.core.interface import EngineError
-from engine.pipeline.health import tune_data_socket
+from engine.shards.health import tune_data_socket
 from engine.pipeline.stage_link import StageLink, describe_exit, log_tail
 from engine.protocol import ErrorReply, ProtocolError, decode_frames, encode_frames
 from engine.protocol.pipeline import StageConfigure, StagePing, StagePong
@@ -33,7 +33,7 @@ class CoordinatorWire:
     def _open_sockets(self) -> None:
         self.ret = self._ctx.socket(zmq.ROUTER)
         self.ret.setsockopt(zmq.LINGER, 0)
-        tune_data_socket(self.ret)  # ZMTP heartbeats (engine/pipeline/health.py)
+        tune_data_socket(self.ret)  # ZMTP heartbeats (engine/shards/health.py)
         curve = self.config.curve
         if curve is not None:  # the return socket admits the stages' keys only
             self._zap = curve.serve(self._ctx, self.ret, [link.server_key for link in self.stages])

@@ -11,7 +11,7 @@ rebuild it: the prompt and every token it already gave the user
 
 1. detect (tick(), every liveness_interval_s on the coordinator thread): a
    local stage process exited; a stage answered no ping for ping_timeout_s
-   (workers answer pings while computing: engine/pipeline/health.py); or a
+   (workers answer pings while computing: engine/shards/health.py); or a
    step sat in the ring for step_timeout_s while every stage answers (the
    data plane between two stages is down).
 2. pause: no step leaves; results still arriving are dropped (each would be

@@ -46,8 +46,8 @@ def replan_onto(model: Any, peers: Sequence[Any], request: Any, links: Any = Non
     """For fleet launchers: the best plan over the peers still available (the
     lost ones removed). Raises RecoveryImpossible with the planner's reason
     (e.g. "needs 9.1 GB, the remaining peers have 6.0 GB") when none fits."""
-    from engine.pipeline.plan import auto_plan
-    from engine.pipeline.plan_issues import PlanError
+    from engine.planner.plan import auto_plan
+    from engine.planner.issues import PlanError
 
     if not peers:
         raise RecoveryImpossible("no peer is left to host the model")

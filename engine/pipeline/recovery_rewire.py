@@ -112,6 +112,6 @@ def _decode(frames: list) -> Any:
 
 
 def _tune(sock: Any) -> None:
-    from engine.pipeline.health import tune_data_socket
+    from engine.shards.health import tune_data_socket
 
     tune_data_socket(sock)

@@ -14,7 +14,7 @@ Steps, each of which can fail with a clear message before the next starts:
    (the planner resolves it); on_plan shows the plan before step 2.
 2. export: every stage's shard from the cache at the plan's precision,
    exported on a miss (progress).
-3. launch: one `python -m engine.pipeline.worker` per stage on loopback, each
+3. launch: one `python -m engine.shards.worker` per stage on loopback, each
    binding a free port it reports on stdout, in its own session (Ctrl-C in
    the terminal reaches only us), watching our pid so it exits if we die.
 4. wire: PipelineEngine tells each stage its next hop and waits until all
@@ -45,12 +45,12 @@ from engine.platform import process
 from engine.pipeline.coordinator import PipelineConfig, PipelineEngine
 from engine.pipeline.stage_link import StageLink, describe_exit, log_tail
 from engine.core.interface import EngineError
-from engine.pipeline import plan_weights
-from engine.pipeline.plan_issues import PlanError
-from engine.pipeline.plan_model import PlanModel
-from engine.pipeline.plan_peers import DEVICE_KINDS, DeviceProfile, PeerProfile
-from engine.pipeline.plan_request import PlanRequest
-from engine.pipeline.plan_stages import Plan
+from engine.planner import weights as plan_weights
+from engine.planner.issues import PlanError
+from engine.planner.model import PlanModel
+from engine.planner.peers import DEVICE_KINDS, DeviceProfile, PeerProfile
+from engine.planner.request import PlanRequest
+from engine.planner.stages import Plan
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def plan_local(model: PlanModel, cfg: FleetConfig, context_length: int) -> Plan:
     """The checked plan of cfg on this PC, its weight precision resolved by the planner
     (cfg.weights "auto": the most precise that fits); PlanError (a user-facing reason,
     each stage named) if it cannot run."""
-    from engine.pipeline.plan_validate import evaluate_plan
+    from engine.planner.validate import evaluate_plan
 
     ranges = cfg.split or even_split(model.num_layers, cfg.stages)
     budget = cfg.ram_budget_bytes if cfg.ram_budget_bytes is not None else available_ram()
@@ -173,7 +173,7 @@ class LocalFleet:
         """ShardInfo of every stage at the plan's weight precision, exporting missing ones."""
         import openvino as ov
 
-        from engine.pipeline.export import (MANIFEST, ensure_shard, model_fingerprint, shard_cache_key,
+        from engine.shards.export import (MANIFEST, ensure_shard, model_fingerprint, shard_cache_key,
                                             shard_cache_root)
         fp = model_fingerprint(self.model_path)
         total = self.profile.num_layers
@@ -207,7 +207,7 @@ class LocalFleet:
 
             self.ring_keys = LocalRingKeys(len(infos))
         for i, info in enumerate(infos):
-            cmd = [sys.executable, "-m", "engine.pipeline.worker", "--shard", str(info.path),
+            cmd = [sys.executable, "-m", "engine.shards.worker", "--shard", str(info.path),
                    "--bind", f"tcp://{self.cfg.host}:*", "--name", f"stage {i}", "--device", self.cfg.device,
                    "--cache-dir", str(blobs), "--parent-pid", str(os.getpid())]
             if self.cfg.exact:

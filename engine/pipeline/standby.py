@@ -34,7 +34,7 @@ from engine.platform import process
 
 log = logging.getLogger(__name__)
 
-WORKER_MODULE = "engine.pipeline.worker"
+WORKER_MODULE = "engine.shards.worker"
 
 
 class LocalRingProvider:
@@ -146,7 +146,7 @@ class LocalRingProvider:
 
 
 def _worker_argv(args: Any) -> list[str] | None:
-    """The worker arguments of a `python -m engine.pipeline.worker ...` command line."""
+    """The worker arguments of a `python -m engine.shards.worker ...` command line."""
     if not isinstance(args, (list, tuple)):
         return None
     args = [str(a) for a in args]
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.pipeline.standby", description=__doc__.split("\n")[0])
     p.add_argument("--parent-pid", type=int, help="exit when this process is gone (pid + creation time)")
     a = p.parse_args(argv)
-    from engine.pipeline import worker
+    from engine.shards import worker
 
     if a.parent_pid:
         worker.watch_parent(a.parent_pid)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     import openvino as ov
     import zmq  # noqa: F401
 
-    import engine.pipeline.export  # noqa: F401
+    import engine.shards.export  # noqa: F401
 
     try:
         ov.Core().get_available_devices()

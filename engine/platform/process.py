@@ -21,7 +21,7 @@ Why these mechanisms:
 - die_with_us (Windows only): a Job object with KILL_ON_JOB_CLOSE (engine/platform/winjob.py)
   ends the children even when this process is killed by TerminateProcess, which runs no
   cleanup at all. POSIX has no such tree-wide guarantee; there the children's own parent
-  watch (engine/pipeline/worker.py) is what ends them, as it also does on Windows.
+  watch (engine/shards/worker.py) is what ends them, as it also does on Windows.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The plan editor's weight precision, and Launch handing over the very plan on screen.
 
-The editor runs the real planner (engine.client over engine/pipeline/plan.py)
+The editor runs the real planner (engine.client over engine/planner/plan.py)
 on the demo model; only the launch itself is faked, at the facade seam
 (client.launch_pipeline / client.launch_fleet), so these tests see exactly the
 object the editor gives the launcher. Fleet peers are PeerCards put into the

@@ -3,7 +3,7 @@
     ip netns exec LAB-c python rel_netfault_driver.py SPEC_JSON
 
 Starts one shard worker per stage namespace (`ip netns exec LAB-sI python -m
-engine.pipeline.worker --bind tcp://ADDR:*`), wires a PipelineEngine to them
+engine.shards.worker --bind tcp://ADDR:*`), wires a PipelineEngine to them
 with a re-plan provider that restarts a lost stage in the spare namespaces
 (one use each), computes reference answers, then obeys stdin lines:
 
@@ -35,7 +35,7 @@ procs: list[subprocess.Popen] = []
 
 def start_worker(prefix: list[str], addr: str, shard: str, name: str) -> StageLink:
     log = open(log_dir / f"{name.replace(' ', '-')}-{len(procs)}.log", "ab")
-    cmd = [*prefix, sys.executable, "-m", "engine.pipeline.worker", "--shard", shard, "--bind", f"tcp://{addr}:*",
+    cmd = [*prefix, sys.executable, "-m", "engine.shards.worker", "--shard", shard, "--bind", f"tcp://{addr}:*",
            "--name", name, "--exact", "--parent-pid", str(os.getpid())]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
     procs.append(p)

@@ -101,7 +101,7 @@ def test_package_metadata_and_layout(built, unpacked):
     assert not list(internal.glob("libcuda*")) and not list(internal.glob("libstdc++*"))
     assert not (internal / "sklearn").exists() and not (internal / "matplotlib").exists()
     # Sources read at run time (export cache key, inspect.getsource).
-    assert (internal / "engine" / "pipeline" / "shard_model.py").is_file()
+    assert (internal / "engine" / "shards" / "model.py").is_file()
     broken = [p for p in internal.rglob("*") if p.is_symlink() and not p.exists()]
     assert not broken, f"dangling links: {broken[:5]}"
 
@@ -124,9 +124,9 @@ def test_chat_with_the_demo_model_from_an_empty_cache(unpacked, bundle_env):
 
 def test_workers_start_from_the_bundle(unpacked, bundle_env):
     """The agent and the local pipeline start shard workers as
-    `sys.executable -m engine.pipeline.worker`; in a bundle that is flotilla itself."""
+    `sys.executable -m engine.shards.worker`; in a bundle that is flotilla itself."""
     for exe in ("flotilla", "flotilla-agent"):
-        res = _run(unpacked / "opt/flotilla" / exe, "-m", "engine.pipeline.worker", "--help",
+        res = _run(unpacked / "opt/flotilla" / exe, "-m", "engine.shards.worker", "--help",
                    env=bundle_env, timeout=120)
         assert res.returncode == 0 and "--shard" in res.stdout, res.stderr[-3000:]
     res = _run(unpacked / "opt/flotilla/flotilla", "-c", "import openvino as ov; print(ov.Core().available_devices)",

@@ -360,7 +360,7 @@ def test_launcher_picks_entry_by_executable_name():
 
 def test_launcher_emulates_python_m_and_c():
     pm = launcher.python_mode
-    assert pm(["-m", "engine.pipeline.worker", "--shard", "x"]) == ("-m", "engine.pipeline.worker", ["--shard", "x"])
+    assert pm(["-m", "engine.shards.worker", "--shard", "x"]) == ("-m", "engine.shards.worker", ["--shard", "x"])
     assert pm(["-u", "-X", "utf8", "-c", "print(1)", "a"]) == ("-c", "print(1)", ["a"])
     assert pm([]) is None and pm(["chat", "-m", "demo"]) is None and pm(["--version"]) is None
     assert pm(["agent", "--port", "1"]) is None

@@ -73,7 +73,7 @@ def test_pipeline_bench_reports_sane_figures():
     _check_pinning(out, cores, before)
     assert "network" not in out  # quick: loopback only
     assert len(out["stage_compute_ms_mean"]) == 2
-    assert not [c for c in _my_children() if "engine.pipeline.worker" in c or "_child_main" in c]
+    assert not [c for c in _my_children() if "engine.shards.worker" in c or "_child_main" in c]
 
 
 def test_coordinator_gets_a_spare_core_or_shares_its_stages_cores():

@@ -109,7 +109,7 @@ def test_identical_to_greedy_covers_every_run(figures):
 
 
 def test_spec_bench_leaves_no_process_behind(figures):
-    assert not [c for c in _my_children() if "engine.pipeline.worker" in c or "_child_main" in c]
+    assert not [c for c in _my_children() if "engine.shards.worker" in c or "_child_main" in c]
 
 
 def test_spec_stats_definitions():

@@ -22,7 +22,7 @@ def isolated_cache(tmp_path: Path, demo_folder: Path) -> dict[str, str]:
 
 
 def test_weights_offers_every_precision_and_refuses_others():
-    from engine.pipeline.plan_weights import WEIGHT_CHOICES
+    from engine.planner.weights import WEIGHT_CHOICES
 
     assert list(WEIGHT_CHOICES) == CHOICES  # the CLI's own copy of the labels
     helped = run_cli("pipeline", "--help")

@@ -31,7 +31,7 @@ from engine.fleet.launch import launch_fleet  # noqa: E402
 from engine.fleet.launch_config import LaunchConfig  # noqa: E402
 from engine.fleet.session import FleetSession  # noqa: E402
 from engine.transport.security import KeyPair  # noqa: E402
-from engine.pipeline.plan import PlanError  # noqa: E402
+from engine.planner.plan import PlanError  # noqa: E402
 from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E402
 
 TOKENS = 32

@@ -32,7 +32,7 @@ def test_curve_overhead_figures(tmp_path):
     from engine.bench.shards import dense_recipe
     from engine.pipeline.runner import even_split
     from engine.models.demo import ensure_recipe
-    from engine.pipeline.export import ensure_shard
+    from engine.shards.export import ensure_shard
 
     recipe = dense_recipe(64, 4, None, 4, 2)
     path = ensure_recipe(recipe)

@@ -19,9 +19,9 @@ from engine.fleet.launch_config import LaunchConfig
 from engine.fleet.launch_plan import peer_profile
 from engine.fleet.session import FleetSession
 from engine.transport.security import KeyPair
-from engine.pipeline import plan_weights
-from engine.pipeline.plan import PlanError, PlanModel, PlanRequest
-from engine.pipeline.plan_validate import evaluate_plan
+from engine.planner import weights as plan_weights
+from engine.planner.plan import PlanError, PlanModel, PlanRequest
+from engine.planner.validate import evaluate_plan
 from engine.protocol.control import AgentInfo, DeviceInfo, StatusReply
 
 GB = 1_000_000_000

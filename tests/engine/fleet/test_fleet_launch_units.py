@@ -152,7 +152,7 @@ def test_agent_cli_refuses_demo_flag_outside_demo(tmp_path):
 def test_pipeline_worker_command_renders_every_placeholder(tmp_path):
     argv = render_command(pipeline_worker_command(), shard=tmp_path / "s.d", sha256=SHA, device="GPU.0", port=0,
                           bind_host="10.0.0.2", exact=False, curve=tmp_path / "c.json", cache=tmp_path / "ov")
-    assert argv[1:3] == ["-m", "engine.pipeline.worker"]
+    assert argv[1:3] == ["-m", "engine.shards.worker"]
     assert argv[argv.index("--bind") + 1] == "tcp://10.0.0.2:*"
     assert argv[argv.index("--curve") + 1] == str(tmp_path / "c.json")
     assert argv[argv.index("--parent-pid") + 1] == str(os.getpid())
@@ -161,7 +161,7 @@ def test_pipeline_worker_command_renders_every_placeholder(tmp_path):
                            exact=True)
     assert exact[-1] == "--exact" and exact[exact.index("--bind") + 1] == "tcp://*:5000"
     # The worker accepts what the agent renders.
-    from engine.pipeline.worker import parse_args
+    from engine.shards.worker import parse_args
 
     cfg = parse_args(argv[3:])
     assert cfg.bind == "tcp://10.0.0.2:*" and cfg.curve == tmp_path / "c.json" and cfg.device == "GPU.0"
@@ -268,7 +268,7 @@ def test_a_refused_stage_is_reported_from_the_refusal_fields():
     from engine.fleet.launch_errors import _raise_refusals, _refused
     from engine.fleet.ring_stage import _Stage
     from engine.fleet.refusal import StageRefused, describe
-    from engine.pipeline.plan import PlanError
+    from engine.planner.plan import PlanError
     from engine.protocol.errors import BYTE_REASONS, REFUSAL_REASONS, Refusal
     from engine.protocol.messages import ErrorReply
 

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from engine.fleet.client import AgentClient, AgentRefused, FleetError, NotPaired, sha256_file
 from engine.fleet.policy import SharingPolicy
-from engine.pipeline.plan import RUNTIME_RESERVE_BYTES
+from engine.planner.plan import RUNTIME_RESERVE_BYTES
 from engine.transport.security import KeyPair, curve_client
 from engine.protocol.codec import decode, encode
 from engine.protocol.control import LoadRequest, StatusRequest

@@ -1,7 +1,7 @@
 """Shard workers never outlive their agent, however it ends.
 
 - Killed outright (SIGKILL: no cleanup runs, as with TerminateProcess on Windows): each real
-  pipeline worker's parent watch (engine/pipeline/worker.py, pid + creation time through psutil,
+  pipeline worker's parent watch (engine/shards/worker.py, pid + creation time through psutil,
   the mechanism Windows relies on too) ends it within seconds -- here while the dead agent is
   still an unreaped zombie, which counts as gone.
 - Stopped by its tray ("Quit (stop sharing this PC)": engine/client/agent.py AgentHandle.stop): the
@@ -42,11 +42,11 @@ def test_a_killed_agents_pipeline_worker_exits_by_its_parent_watch(tmp_path, dem
     pytest.importorskip("openvino")
     from engine.fleet.bundle import cached_bundle
     from engine.models.demo import cache_root
-    from engine.pipeline.export import ensure_shard
+    from engine.shards.export import ensure_shard
 
     info = ensure_shard(demo_dir("demo"), 0, 8, num_layers_total=8)
     bundle, sha = cached_bundle(Path(info.path), cache_root() / "bundles")
-    agent = AgentProc(tmp_path, real_worker=True).start()  # the agent's own default: engine.pipeline.worker
+    agent = AgentProc(tmp_path, real_worker=True).start()  # the agent's own default: engine.shards.worker
     try:
         async def load() -> int:
             me = KeyPair.generate()
@@ -56,7 +56,7 @@ def test_a_killed_agents_pipeline_worker_exits_by_its_parent_watch(tmp_path, dem
                 return (await c.load(sha, "CPU", 0)).shard.pid
 
         pid = asyncio.run(load())
-        assert psutil.Process(pid).ppid() == agent.proc.pid and "engine.pipeline.worker" in \
+        assert psutil.Process(pid).ppid() == agent.proc.pid and "engine.shards.worker" in \
             psutil.Process(pid).cmdline()
         os.kill(agent.proc.pid, signal.SIGKILL)  # no cleanup at all; we do not reap it yet
         assert _wait(lambda: process_gone(pid), GONE_WITHIN_S), "the worker outlived its killed agent"

@@ -4,7 +4,7 @@ the OS reserve with its KV and runtime reserve, not just its shard file."""
 from __future__ import annotations
 
 from engine.fleet.policy import MachineState, SharingPolicy, StartNeed, check_start, start_need
-from engine.pipeline.plan import RUNTIME_RESERVE_BYTES, kv_element_bytes, os_reserve
+from engine.planner.plan import RUNTIME_RESERVE_BYTES, kv_element_bytes, os_reserve
 
 GB = 10**9
 # shard.json of layers 16-32 of Llama-3.1-8B (8 KV heads x 128)

@@ -205,7 +205,7 @@ def test_one_context_default_for_engines_and_planner(copy_demo):
     import json
 
     from engine.models.profile import DEFAULT_CONTEXT, engine_context, trained_context
-    from engine.pipeline.plan import DeviceProfile, PeerProfile, PlanModel, PlanRequest, auto_plan
+    from engine.planner.plan import DeviceProfile, PeerProfile, PlanModel, PlanRequest, auto_plan
     from engine.scheduler.loop import LocalEngine
 
     model = copy_demo("demo", "long-context")

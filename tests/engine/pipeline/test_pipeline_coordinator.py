@@ -15,7 +15,7 @@ pytest.importorskip("zmq")
 
 from engine_helpers import chat, collect, reference_greedy  # noqa: E402
 
-from engine.pipeline.plan import PlanError  # noqa: E402
+from engine.planner.plan import PlanError  # noqa: E402
 from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E402
 from engine.core.interface import EngineError  # noqa: E402
 

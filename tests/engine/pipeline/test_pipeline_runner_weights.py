@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from engine.pipeline import runner
-from engine.pipeline.plan import PlanError, PlanModel, precision_ladder
+from engine.planner.plan import PlanError, PlanModel, precision_ladder
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_a_split_that_fits_nowhere_says_auto_tried_every_precision(demo_model):
 
 
 def test_shards_are_exported_at_the_plans_precision(monkeypatch, demo_dir):
-    import engine.pipeline.export as export
+    import engine.shards.export as export
 
     demo_dir("demo")
     asked: list[tuple] = []

@@ -1,4 +1,4 @@
-"""A worker answers pings while a long step computes (engine/pipeline/health.py),
+"""A worker answers pings while a long step computes (engine/shards/health.py),
 so a 2.5 s ping timeout raises no false alarm during a multi-second prefill."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from engine.pipeline.health import serve_with_heartbeats  # noqa: E402
+from engine.shards.health import serve_with_heartbeats  # noqa: E402
 from engine.protocol import decode_frames, encode_frames  # noqa: E402
 from engine.protocol.pipeline import StagePing, StagePong, StageResult, StageShutdown, StageStep  # noqa: E402
 
@@ -30,7 +30,7 @@ class _SlowStream:
 
 
 def _worker(tmp_path):
-    from engine.pipeline.worker import ShardWorker, WorkerConfig
+    from engine.shards.worker import ShardWorker, WorkerConfig
 
     w = ShardWorker(WorkerConfig(shard=tmp_path, name="slow stage"), ctx=zmq.Context())
     w.info = SimpleNamespace(first=True, last=True, hidden_size=16, vocab_size=100, start=0, end=1)
