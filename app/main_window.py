@@ -25,15 +25,15 @@ from PySide6.QtWidgets import (
 
 from app import style
 from app.background import Runner
-from app.chat_page import ChatPage
-from app.fleet_model import FleetModel
-from app.fleet_view import FleetView
-from app.models_view import ModelsView
-from app.plan_view import PlanView
+from app.chat.page import ChatPage
+from app.fleet.model import FleetModel
+from app.fleet.view import FleetView
+from app.models.view import ModelsView
+from app.plan.view import PlanView
 from app.session import CLOSING, FAILED, OPENING, READY, EngineSession
 from app.settings import AppSettings
-from app.settings_view import SettingsView
-from app.store import ChatStore
+from app.preferences.view import SettingsView
+from app.chat.store import ChatStore
 
 VIEWS = [("fleet", "Fleet"), ("models", "Models"), ("plan", "Plan"), ("chat", "Chat"), ("settings", "Settings")]
 CLOSE_GRACE_MS = 10_000

@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (
 
 from app import style
 from app.background import Runner
-from app.policy_form import PolicyForm
+from app.preferences.policy_form import PolicyForm
 from engine import client
 
 POLL_MS = 1000

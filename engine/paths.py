@@ -67,7 +67,7 @@ LEGACY_NAMES: dict[str, str] = {
     "sharing_policy.json": KEYS,  # engine/fleet/policy.py POLICY_FILE (the agent reads it from its config)
     "manual_peers.json": KEYS,  # engine/fleet/discovery.py MANUAL_FILE
     "tray.json": KEYS,  # engine/client/agent.py TRAY_FILE
-    "conversations.sqlite3": HISTORY,  # app/store.py DB_NAME, with SQLite's side files:
+    "conversations.sqlite3": HISTORY,  # app/chat/store.py DB_NAME, with SQLite's side files:
     "conversations.sqlite3-wal": HISTORY,
     "conversations.sqlite3-shm": HISTORY,
     "conversations.sqlite3-journal": HISTORY,

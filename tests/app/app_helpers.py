@@ -7,8 +7,8 @@ def open_plan_view(qtbot):
     """A PlanView on a fresh session and fleet model (discovery not started: tests put the
     cards in), shown at 1200 x 800, once its first plan is made. Returns (view, runner)."""
     from app.background import Runner
-    from app.fleet_model import FleetModel
-    from app.plan_view import PlanView
+    from app.fleet.model import FleetModel
+    from app.plan.view import PlanView
     from app.session import EngineSession
 
     runner = Runner()

@@ -27,10 +27,10 @@ from PySide6.QtCore import QCoreApplication, QDeadlineTimer, QElapsedTimer, QEve
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QApplication, QLabel
 
-from app.conversation import CANCELLED, DONE, ERROR
+from app.chat.conversation import CANCELLED, DONE, ERROR
 from app.main import create_window
 from app.main_window import MainWindow
-from app.store import ChatStore
+from app.chat.store import ChatStore
 from engine import client
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine" / "fleet"))
@@ -348,7 +348,7 @@ def agent(tmp_path_factory):
 def test_the_banner_takes_its_category_from_the_error_code(panel) -> None:
     """A lost peer reads as one whatever its words, and an engine error whose words mention a
     stage is still the engine's: the panel branches on TokenEvent.error_code, not on words."""
-    from app.conversation import STREAMING, Turn
+    from app.chat.conversation import STREAMING, Turn
     from engine.protocol.messages import TokenEvent, Usage
 
     used, panel._engine_used = panel._engine_used, None  # not the session's engine: nothing is marked broken

@@ -254,7 +254,7 @@ def test_legacy_names_are_the_files_the_code_writes():
     """Every name the migration knows is a constant of the module that writes it, and every file
     the fleet writes into its data folder is known."""
     from app.settings import FILE as APP_SETTINGS
-    from app.store import DB_NAME
+    from app.chat.store import DB_NAME
     from engine.client.agent import TRAY_FILE
     from engine.transport import security
     from engine.fleet.discovery import MANUAL_FILE

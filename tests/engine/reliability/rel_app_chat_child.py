@@ -2,7 +2,7 @@
 
     python rel_app_chat_child.py DATA_FOLDER CONFIG_FOLDER
 
-Does what the chat panel does (app/chat_panel.py): saves settings
+Does what the chat panel does (app/chat/panel.py): saves settings
 (app/settings.py), creates a conversation, adds the user message and an
 empty "streaming" assistant message, then for every streamed batch saves the
 text (ChatStore.save_message) *and then* shows it -- here: prints it as one
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from app.settings import AppSettings
-from app.store import ChatStore
+from app.chat.store import ChatStore
 from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 from engine.scheduler.loop import LocalEngine
 

@@ -21,7 +21,7 @@ REPO = HERE.parents[2]
 @pytest.mark.parametrize("kill_after", [5, 60])
 def test_killed_mid_stream_loses_nothing_shown(tmp_path, demo_dir, kill_after):
     from app.settings import AppSettings
-    from app.store import ChatStore
+    from app.chat.store import ChatStore
 
     demo_dir("demo")
     data, config = tmp_path / "data", tmp_path / "config"

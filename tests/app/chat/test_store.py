@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.store import ChatStore
+from app.chat.store import ChatStore
 
 
 def test_wal_and_round_trip(tmp_path) -> None:

@@ -35,14 +35,15 @@ from PySide6.QtWidgets import (
     QComboBox, QGroupBox, QHBoxLayout, QLabel, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
 )
 
-from app import plan_rules, style
+from app import style
+from app.plan import rules as plan_rules
 from app.background import Runner
-from app.fleet_model import FleetModel
-from app.launch_progress import LaunchProgress
-from app.layer_bar import LayerBar, Segment
-from app.plan_rules import LOCAL_KINDS
-from app.plan_settings import EngineSettings
-from app.plan_stages import StageTable
+from app.fleet.model import FleetModel
+from app.plan.launch_progress import LaunchProgress
+from app.plan.layer_bar import LayerBar, Segment
+from app.plan.rules import LOCAL_KINDS
+from app.plan.settings_box import EngineSettings
+from app.plan.stage_table import StageTable
 from app.session import OPENING, READY, EngineSession
 from engine import client
 

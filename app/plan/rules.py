@@ -2,7 +2,7 @@
 is disabled, what the summary says about the weights, why a plan does not fit, and the
 plan made for N simulated local stages.
 
-Plain Python (no Qt), so the rules are easy to test and to read; app/plan_view.py
+Plain Python (no Qt), so the rules are easy to test and to read; app/plan/view.py
 reads the editor's state, asks these, and shows the answers.
 """
 
@@ -16,7 +16,7 @@ LOCAL_KINDS = ("local", "moe", "sparse")
 
 
 class FleetLaunch(Protocol):
-    """What the launch rules read of the fleet (app.fleet_model.FleetModel)."""
+    """What the launch rules read of the fleet (app.fleet.model.FleetModel)."""
 
     launch_ok: bool
     launch_reason: str

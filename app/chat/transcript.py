@@ -27,7 +27,7 @@ from PySide6.QtGui import QTextCursor, QTextDocument, QTextTable
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
 from app import style
-from app.conversation import CANCELLED, ERROR, STREAMING, Conversation, Turn
+from app.chat.conversation import CANCELLED, ERROR, STREAMING, Conversation, Turn
 
 REFRESH_MS = 40  # at most 25 repaints a second while streaming
 DOC_MARGIN = 18  # px around the transcript

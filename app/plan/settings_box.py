@@ -1,6 +1,6 @@
 """The plan editor's "Engine settings" box: context, streams, weight precision,
 speculative decoding (mode, draft model, K, adaptive), stage recovery and the
-MoE / sparse cache budget. The editor (app/plan_view.py) reacts to its changes and
+MoE / sparse cache budget. The editor (app/plan/view.py) reacts to its changes and
 decides what is offered (plan_rules.spec_blocker); this box only shows it.
 """
 

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.background import Runner
-from app.policy_form import PolicyForm
+from app.preferences.policy_form import PolicyForm
 from app.session import EngineSession
 from app.settings import AppSettings
 from engine import client

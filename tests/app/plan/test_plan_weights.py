@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 from PySide6.QtWidgets import QComboBox, QLabel
 
-from app.memory_bar import MemoryBar
-from app.plan_view import PlanView
+from app.plan.memory_bar import MemoryBar
+from app.plan.view import PlanView
 from app_helpers import open_plan_view
 from engine import client
 

@@ -1,6 +1,6 @@
 """The plan editor's "Peers in this plan" table: one row per stage (peer, device
 picker, layers, memory bar, predicted speed, Exclude), and a button to include the
-excluded peers again. The editor (app/plan_view.py) acts on its signals.
+excluded peers again. The editor (app/plan/view.py) acts on its signals.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QComboBox, QGridLayout, QGroupBox, QLabel, QPushButton, QWidget
 
 from app import style
-from app.memory_bar import MemoryBar
+from app.plan.memory_bar import MemoryBar
 from engine import client
 
 

@@ -24,11 +24,11 @@ from PySide6.QtWidgets import (
 
 from app import style
 from app.background import Runner
-from app.chat_view import ChatView
-from app.conversation import CANCELLED, DONE, ERROR, STREAMING, Conversation, Turn
-from app.prompt_edit import PromptEdit
+from app.chat.transcript import ChatView
+from app.chat.conversation import CANCELLED, DONE, ERROR, STREAMING, Conversation, Turn
+from app.chat.prompt_edit import PromptEdit
 from app.session import EngineSession
-from app.store import ChatStore
+from app.chat.store import ChatStore
 from engine import client
 from engine.protocol.messages import GenerateRequest, SamplingParams, SpeculativeParams, TokenEvent
 

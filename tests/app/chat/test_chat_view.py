@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from app import style
-from app.chat_view import ChatView
-from app.conversation import DONE, Conversation, Turn
+from app.chat.transcript import ChatView
+from app.chat.conversation import DONE, Conversation, Turn
 
 ANSWER = "Here is **bold** text and code:\n\n```python\nprint('hi')\n    x = 2\n```\n\n- one\n- two\n"
 

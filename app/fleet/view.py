@@ -23,8 +23,8 @@ from PySide6.QtWidgets import (
 
 from app import style
 from app.background import Runner
-from app.fleet_model import FleetModel
-from app.ring_view import RingView
+from app.fleet.model import FleetModel
+from app.fleet.ring_view import RingView
 from app.session import EngineSession
 from engine import client
 

@@ -16,10 +16,10 @@ from PySide6.QtWidgets import (
 
 from app import style
 from app.background import Runner
-from app.chat_panel import ChatPanel, load_conversation
-from app.conversation import Conversation
+from app.chat.panel import ChatPanel, load_conversation
+from app.chat.conversation import Conversation
 from app.session import EngineSession
-from app.store import ChatStore
+from app.chat.store import ChatStore
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 
