@@ -7,12 +7,12 @@ speculative verify), and what each StageResult does to its Generation.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -89,7 +89,7 @@ class CoordinatorStreams:
                          want_logits=final and f.sample)
         if f.keep is not None:  # a parked stream taken over: drop what it holds past the shared prefix
             cut = (f.keep, f.past) if f.keep < f.past else ()
-            step = dataclasses.replace(step, position=f.keep, hide=cut, compact=bool(cut))
+            step = msgspec.structs.replace(step, position=f.keep, hide=cut, compact=bool(cut))
             f.past, f.keep = f.keep, None
         if gen.t_start is None:
             gen.t_start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Flotilla's one wire vocabulary: typed messages, their codec, the version.
 
-Light on purpose (numpy and msgpack only, nothing else from engine, no torch),
+Light on purpose (numpy and msgspec only, nothing else from engine, no torch),
 because the desktop app imports it.
 
     data = encode(GenerateRequest("r1", prompt="hi"))
@@ -9,6 +9,7 @@ because the desktop app imports it.
     msg, tensors = decode_frames(frames)
 """
 
+from engine.protocol.base import Message
 from engine.protocol.codec import (
     MAX_MESSAGE_BYTES,
     decode,
@@ -60,6 +61,7 @@ __all__ = [
     "ErrorReply",
     "FramedHeader",
     "GenerateRequest",
+    "Message",
     "ProtocolError",
     "Refusal",
     "SamplingParams",

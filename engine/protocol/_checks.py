@@ -1,8 +1,13 @@
-"""Small validation helpers shared by the message modules."""
+"""Small validation helpers shared by the message modules.
+
+Field types are msgspec's to check (on decode); these helpers state the rules
+types cannot say, on values already of their field's type."""
 
 from __future__ import annotations
 
 import math
+
+from msgspec.structs import force_setattr
 
 from engine.protocol.errors import ProtocolError
 
@@ -13,24 +18,26 @@ def require(cond: bool, why: str) -> None:
         raise ProtocolError(why)
 
 
-def is_int(v: object) -> bool:
-    """An int that is not a bool (True would otherwise pass as 1)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_num(v: object) -> bool:
-    """A finite int or float, not a bool; NaN and infinities fail."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def is_text(v: object, max_chars: int, *, allow_empty: bool = True) -> bool:
+def is_text(v: str, max_chars: int, *, allow_empty: bool = True) -> bool:
     """A str within a length bound."""
-    return isinstance(v, str) and (allow_empty or len(v) > 0) and len(v) <= max_chars
+    return (allow_empty or len(v) > 0) and len(v) <= max_chars
+
+
+def in_range(v: float, low: float, high: float) -> bool:
+    """low <= v <= high, and finite (NaN fails every comparison; an infinity fails the bound)."""
+    return low <= v <= high and math.isfinite(v)
 
 
 def set_float(obj: object, name: str) -> None:
     """Store an int given for a float field as a float, so a message built in
     code equals (and has the same types as) its decoded copy."""
     v = getattr(obj, name)
-    if is_int(v):
-        object.__setattr__(obj, name, float(v))
+    if type(v) is int:
+        force_setattr(obj, name, float(v))
+
+
+def float_tuple(obj: object, name: str) -> None:
+    """set_float for a tuple[float, ...] field."""
+    v = getattr(obj, name)
+    if any(type(x) is not float for x in v):
+        force_setattr(obj, name, tuple(float(x) for x in v))

@@ -6,62 +6,91 @@ Wire form of one message (one msgpack map):
 
 Nested messages are plain maps (no envelope): the receiver knows their class
 from the field annotation, so the kind would be redundant. Tuples travel as
-msgpack arrays, bytes as msgpack bin. The converter is generic, driven by
-typing.get_type_hints, so any module can register its own frozen dataclasses
-(pipeline, fleet) without touching this file.
+msgpack arrays, bytes as msgpack bin. Messages are msgspec Structs
+(engine.protocol.base.Message); msgspec encodes them and decodes them against
+their field types, so any module can register its own (pipeline, fleet)
+without touching this file.
 
 Decoding is strict: every failure -- bad msgpack, wrong envelope, unknown kind,
 wrong version, missing or extra fields, wrong types, failed validation, over a
 size limit -- is a ProtocolError with a one-line reason and a code, never any
 other exception, so a peer can answer with an ErrorReply and carry on.
+A class's own rules run in its __post_init__ (when built, and when decoded) and,
+for a class that defines it, in validate() (when encoded and when decoded only).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import re
 import types
-import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-import msgpack
+import msgspec
+import msgspec.inspect as mi
 
+from engine.protocol import errors as _errors
 from engine.protocol import messages as _messages
 from engine.protocol import structured as _structured
 from engine.protocol.errors import ProtocolError, one_line
 from engine.protocol.version import PROTOCOL_VERSION
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # one encoded message (tensor frames have their own limit)
-# Caps on any one container a message may hold. The decoder also caps them at
-# the input length, so a few bytes claiming a 4-billion-item array fail at once.
-MAX_CONTAINER_ITEMS = 1_000_000
 
 _T = TypeVar("_T")
 _REGISTRY: dict[str, type] = {}  # KIND -> message class
-_HINTS: dict[type, tuple[tuple[str, Any], ...]] = {}  # class -> ((field, annotation), ...)
-_NONE = type(None)
-_SCALARS = (bool, int, float, str, bytes)
+_PREFIX: dict[type, bytes] = {}  # class -> its envelope's bytes up to the body: {"v": .., "k": .., "b":
+_DECODERS: dict[type, msgspec.msgpack.Decoder] = {}  # class -> a decoder of its body
+# class -> a decoder that checks only that every field is there, nested ones too (msgspec would
+# fill a missing field with its default; the wire carries all of them), when the class has defaults
+_PRESENCE: dict[type, msgspec.msgpack.Decoder] = {}
+_VALIDATED: set[type] = set()  # classes with a validate() the codec runs
+_ENCODER = msgspec.msgpack.Encoder()
+# Field types with a wire form: scalars, closed sets, tuples, unions of them and nested messages.
+# Nothing mutable (list, dict, set), nothing untyped (Any), no msgpack extension.
+_WIRE_TYPES = (mi.NoneType, mi.BoolType, mi.IntType, mi.FloatType, mi.StrType, mi.BytesType, mi.LiteralType,
+               mi.TupleType, mi.VarTupleType, mi.UnionType, mi.StructType)
+
+
+class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
+    v: int  # PROTOCOL_VERSION
+    k: str  # KIND
+    b: msgspec.Raw  # the body's bytes, decoded once the kind is known
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
 
 
 # ---------------------------------------------------------------- registry
 
 
 def register(cls: type[_T]) -> type[_T]:
-    """Class decorator: make a frozen dataclass with a str ClassVar KIND
-    encodable and decodable at top level. Raises TypeError for a class the
-    converter cannot handle, at import time rather than on the first message."""
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        raise TypeError(f"{cls!r} is not a dataclass")
-    if not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
-        raise TypeError(f"{cls.__name__} must be a frozen dataclass")
+    """Class decorator: make a frozen msgspec Struct that forbids unknown fields, with a str
+    ClassVar KIND, encodable and decodable at top level. Raises TypeError for a class the
+    codec cannot handle, at import time rather than on the first message."""
+    if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+        raise TypeError(f"{cls!r} is not a msgspec Struct")
     kind = cls.__dict__.get("KIND")
     if not (isinstance(kind, str) and kind):
         raise TypeError(f"{cls.__name__} needs its own non-empty str ClassVar KIND")
     known = _REGISTRY.get(kind)
     if known is not None and known is not cls:
         raise TypeError(f"kind {kind!r} is already registered by {known.__qualname__}")
-    _fields(cls)  # resolve and check every annotation now
+    try:
+        info = mi.type_info(cls)
+        decoder = msgspec.msgpack.Decoder(cls)
+    except Exception as e:  # an annotation that does not resolve, a union msgspec cannot decode
+        raise TypeError(f"{cls.__name__}: {type(e).__name__}: {e}") from None
+    _check_struct(info, set())
+    defaults: list[str] = []
+    presence = _presence_struct(info, {}, defaults)
     _REGISTRY[kind] = cls
+    _PREFIX[cls] = _ENCODER.encode({"v": PROTOCOL_VERSION, "k": kind, "b": None})[:-1]  # less the nil
+    _DECODERS[cls] = decoder
+    if defaults:
+        _PRESENCE[cls] = msgspec.msgpack.Decoder(presence)
+    if callable(getattr(cls, "validate", None)):
+        _VALIDATED.add(cls)
     return cls
 
 
@@ -70,74 +99,105 @@ def registered() -> Mapping[str, type]:
     return types.MappingProxyType(_REGISTRY)
 
 
-def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
-    """(name, resolved annotation) of the init fields of a message class, cached."""
-    hints = _HINTS.get(cls)
-    if hints is None:
-        resolved = typing.get_type_hints(cls)
-        hints = tuple((f.name, resolved[f.name]) for f in dataclasses.fields(cls) if f.init)
-        _HINTS[cls] = hints  # before checking, so a self-referencing class terminates
-        try:
-            for name, tp in hints:
-                _check_type(tp, f"{cls.__name__}.{name}")
-        except Exception:
-            del _HINTS[cls]
-            raise
-    return hints
-
-
-def _check_type(tp: Any, where: str) -> None:
-    """Reject annotations the converter has no wire form for (TypeError)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is _NONE or tp in _SCALARS:
+def _check_struct(info: mi.StructType, seen: set[type]) -> None:
+    """Reject a message class (or one nested in it) whose wire form would not be strict."""
+    cls = info.cls
+    if cls in seen:
         return
-    if origin in (typing.Union, types.UnionType):
-        for arm in args:
-            _check_type(arm, where)
-    elif origin is tuple:
-        for arm in args:
-            if arm is not Ellipsis:
-                _check_type(arm, where)
-    elif origin is typing.Literal:
-        if not all(type(a) in (bool, int, str) for a in args):
-            raise TypeError(f"{where}: Literal values must be bool, int or str")
-    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        _fields(tp)
-    else:
-        raise TypeError(f"{where}: no wire form for annotation {tp!r}")
+    seen.add(cls)
+    cfg = cls.__struct_config__
+    if not (cfg.frozen and cfg.forbid_unknown_fields):
+        raise TypeError(f"{cls.__name__} must be a frozen Struct with forbid_unknown_fields "
+                        "(subclass engine.protocol.base.Message)")
+    renamed = cls.__struct_encode_fields__ != cls.__struct_fields__
+    if cfg.array_like or cfg.omit_defaults or cfg.tag is not None or renamed:
+        raise TypeError(f"{cls.__name__}: a message travels as a map of all its fields, by their names")
+    for f in info.fields:
+        _check_type(f.type, f"{cls.__name__}.{f.name}", seen)
+
+
+def _check_type(tp: mi.Type, where: str, seen: set[type]) -> None:
+    if not isinstance(tp, _WIRE_TYPES):
+        raise TypeError(f"{where}: no wire form for {type(tp).__name__}")
+    if isinstance(tp, mi.StructType):
+        _check_struct(tp, seen)
+    elif isinstance(tp, mi.UnionType):
+        for arm in tp.types:
+            _check_type(arm, where, seen)
+    elif isinstance(tp, mi.TupleType):
+        for arm in tp.item_types:
+            _check_type(arm, where, seen)
+    elif isinstance(tp, mi.VarTupleType):
+        _check_type(tp.item_type, where, seen)
+
+
+def _presence_struct(info: mi.StructType, made: dict[type, type | None], defaults: list[str]) -> type:
+    """A Struct with the fields of info.cls, all required, that skips their values (msgspec.Raw)
+    but for nested messages, which get their own such Struct. Appends to defaults the fields
+    that have one (without any, msgspec itself refuses a missing field)."""
+    cls = info.cls
+    if cls in made:
+        done = made[cls]
+        if done is None:
+            raise TypeError(f"{cls.__name__} holds itself: a message is a tree")
+        return done
+    made[cls] = None
+    fields = []
+    for f in info.fields:
+        where = f"{cls.__name__}.{f.name}"
+        fields.append((f.name, _presence_type(f.type, made, defaults, where)))
+        if not f.required:
+            defaults.append(where)
+    made[cls] = done = msgspec.defstruct(f"{cls.__name__}Fields", fields, forbid_unknown_fields=True)
+    return done
+
+
+def _presence_type(tp: mi.Type, made: dict[type, type | None], defaults: list[str], where: str) -> Any:
+    if not _holds_struct(tp):
+        return msgspec.Raw
+    if isinstance(tp, mi.StructType):
+        return _presence_struct(tp, made, defaults)
+    if isinstance(tp, mi.VarTupleType):
+        return tuple[_presence_type(tp.item_type, made, defaults, where), ...]  # type: ignore[misc]
+    if isinstance(tp, mi.UnionType) and len(tp.types) == 2 and any(isinstance(a, mi.NoneType) for a in tp.types):
+        (arm,) = [a for a in tp.types if not isinstance(a, mi.NoneType)]
+        return _presence_type(arm, made, defaults, where) | None
+    raise TypeError(f"{where}: a nested message may be X, X | None or tuple[X, ...] only")
+
+
+def _holds_struct(tp: mi.Type) -> bool:
+    if isinstance(tp, mi.StructType):
+        return True
+    if isinstance(tp, mi.UnionType):
+        return any(_holds_struct(a) for a in tp.types)
+    if isinstance(tp, mi.TupleType):
+        return any(_holds_struct(a) for a in tp.item_types)
+    if isinstance(tp, mi.VarTupleType):
+        return _holds_struct(tp.item_type)
+    return False
 
 
 # ---------------------------------------------------------------- encode
 
 
-def _to_wire(value: Any) -> Any:
-    """A validated message value as plain msgpack-able data."""
-    if value is None or isinstance(value, _SCALARS):
-        return value
-    if isinstance(value, (tuple, list)):
-        return [_to_wire(v) for v in value]
-    if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: _to_wire(getattr(value, name)) for name, _ in _fields(type(value))}
-    raise ProtocolError(f"cannot encode a {type(value).__name__}")
-
-
 def encode(msg: Any, *, max_bytes: int | None = None) -> bytes:
     """The wire bytes of a registered message. Raises ProtocolError for an
-    unregistered object, an unencodable value, or a result over max_bytes
-    (default MAX_MESSAGE_BYTES) that the peer would refuse anyway."""
+    unregistered object, an unencodable value, a message whose validate() fails,
+    or a result over max_bytes (default MAX_MESSAGE_BYTES) that the peer would
+    refuse anyway."""
     cls = type(msg)
-    kind = getattr(cls, "KIND", None)
-    if not isinstance(kind, str) or _REGISTRY.get(kind) is not cls:
+    prefix = _PREFIX.get(cls)
+    if prefix is None:
         raise ProtocolError(f"{cls.__name__} is not a registered message", "unknown_kind")
+    kind = cls.KIND  # type: ignore[attr-defined]
+    if cls in _VALIDATED:
+        try:
+            msg.validate()
+        except ProtocolError as e:
+            raise ProtocolError(f"{kind}: {e}", e.code, e.refusal) from None
     try:
-        body = _to_wire(msg)
-        data = msgpack.packb({"v": PROTOCOL_VERSION, "k": kind, "b": body},
-                             use_bin_type=True, use_single_float=False)
-    except ProtocolError:
-        raise
-    except Exception as e:  # e.g. an int over 64 bits, a lone surrogate in a str
+        data = prefix + _ENCODER.encode(msg)
+    except Exception as e:  # e.g. an int over 64 bits, a lone surrogate in a str, a numpy scalar
         raise ProtocolError(f"cannot encode {kind}: {type(e).__name__}: {e}") from None
     limit = MAX_MESSAGE_BYTES if max_bytes is None else max_bytes
     if len(data) > limit:
@@ -148,8 +208,9 @@ def encode(msg: Any, *, max_bytes: int | None = None) -> bytes:
 # ---------------------------------------------------------------- decode
 
 
-def _unpack(data: Any, max_bytes: int | None) -> Any:
-    """msgpack bytes -> plain objects, with every limit checked up front."""
+def decode(data: bytes, *, max_bytes: int | None = None) -> Any:
+    """The message in data, validated. Raises ProtocolError (and only that)
+    for anything but one complete, valid, registered message of this version."""
     try:
         n = memoryview(data).nbytes
     except TypeError:
@@ -159,168 +220,72 @@ def _unpack(data: Any, max_bytes: int | None) -> Any:
         raise ProtocolError(f"message is {n} bytes, over the {limit}-byte limit", "too_large")
     if n == 0:
         raise ProtocolError("empty message")
-    items = min(n, MAX_CONTAINER_ITEMS)  # an item takes at least one byte
     try:
-        return msgpack.unpackb(
-            data, raw=False, use_list=True, strict_map_key=True, timestamp=0,
-            max_str_len=n, max_bin_len=n, max_ext_len=0,
-            max_array_len=items, max_map_len=items // 2 + 1,
-        )
-    except msgpack.ExtraData:
-        raise ProtocolError("trailing bytes after the message") from None
-    except Exception as e:  # OutOfData, FormatError, StackError, ValueError, UnicodeDecodeError
-        if "max_ext_len" in str(e):  # we use no msgpack extension types at all
-            raise ProtocolError("msgpack extension types are not allowed") from None
-        code = "too_large" if "exceeds max_" in str(e) else "malformed"
-        raise ProtocolError(f"not valid msgpack ({type(e).__name__}: {one_line(e, 80)})",
-                            code) from None
-
-
-def decode(data: bytes, *, max_bytes: int | None = None) -> Any:
-    """The message in data, validated. Raises ProtocolError (and only that)
-    for anything but one complete, valid, registered message of this version."""
-    obj = _unpack(data, max_bytes)
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"envelope must be a map, got {_wire_name(obj)}")
-    if set(obj) != {"v", "k", "b"}:
-        raise ProtocolError(f"envelope must have exactly the keys v, k, b; got {_keys(obj)}")
-    v, k = obj["v"], obj["k"]
-    if not (isinstance(v, int) and not isinstance(v, bool)):
-        raise ProtocolError(f"protocol version must be an integer, got {_wire_name(v)}", "version")
+        env = _ENVELOPE.decode(data)
+    except msgspec.ValidationError as e:
+        err = str(wire_error("envelope", e))  # e.g. "envelope.v: expected int, got str"
+        if err.startswith("envelope.v: "):  # a version that is not even a number
+            raise ProtocolError(err.replace("envelope.v: expected int,", "protocol version must be an integer,"),
+                                "version") from None
+        raise ProtocolError(err.replace("envelope.k: expected str,", "kind must be a string,")) from None
+    except Exception as e:  # DecodeError (truncated, trailing bytes, bad UTF-8), BufferError, RecursionError
+        raise _not_msgpack(e) from None
+    v, k = env.v, env.k
     if v != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {v} is not supported; this peer speaks "
                             f"version {PROTOCOL_VERSION}", "version")
-    if not isinstance(k, str):
-        raise ProtocolError(f"kind must be a string, got {_wire_name(k)}")
     cls = _REGISTRY.get(k)
     if cls is None:
         raise ProtocolError(f"unknown message kind {k!r:.60}", "unknown_kind")
     try:
-        return _build(cls, obj["b"], k)
-    except RecursionError:  # only reachable through a self-referencing message class
-        raise ProtocolError(f"{k}: nested too deeply") from None
-
-
-def _build(cls: type, body: Any, path: str) -> Any:
-    """A message of cls from its wire map; path names it in error reasons."""
-    if not isinstance(body, dict):
-        raise ProtocolError(f"{path}: expected a map, got {_wire_name(body)}")
-    hints = _fields(cls)
-    names = {name for name, _ in hints}
-    extra = [key for key in body if key not in names]
-    if extra:
-        raise ProtocolError(f"{path}: unexpected field(s) {_keys(extra)}")
-    missing = [name for name in names if name not in body]
-    if missing:
-        raise ProtocolError(f"{path}: missing field(s) {', '.join(sorted(missing))}")
-    kwargs = {name: _from_wire(body[name], tp, f"{path}.{name}") for name, tp in hints}
-    try:
-        return cls(**kwargs)
-    except ProtocolError as e:
-        raise ProtocolError(f"{path}: {e}", e.code, e.refusal) from None
-    except Exception as e:  # a validator that raised something else is still bad input
-        raise ProtocolError(f"{path}: invalid ({type(e).__name__}: {e})") from None
-
-
-def _from_wire(obj: Any, tp: Any, path: str) -> Any:
-    """Plain wire data -> a value of annotation tp, strictly."""
-    if tp is _NONE:
-        if obj is None:
-            return None
-    elif tp is bool:
-        if isinstance(obj, bool):
-            return obj
-    elif tp is int:
-        if isinstance(obj, int) and not isinstance(obj, bool):
-            return obj
-    elif tp is float:  # ints are fine where floats are expected; bools are not
-        if isinstance(obj, float):
-            return obj
-        if isinstance(obj, int) and not isinstance(obj, bool):
-            return float(obj)  # msgpack ints are < 2**64, so this cannot overflow
-    elif tp is str:
-        if isinstance(obj, str):
-            return obj
-    elif tp is bytes:
-        if isinstance(obj, bytes):
-            return obj
-    else:
-        origin, args = typing.get_origin(tp), typing.get_args(tp)
-        if origin in (typing.Union, types.UnionType):
-            return _from_union(obj, args, path)
-        if origin is tuple:
-            return _from_tuple(obj, args, path)
-        if origin is typing.Literal:
-            for a in args:  # type() match keeps True from passing as 1
-                if type(obj) is type(a) and obj == a:
-                    return obj
-            raise ProtocolError(f"{path}: must be one of {args}")
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            return _build(tp, obj, path)
-    raise ProtocolError(f"{path}: expected {_type_name(tp)}, got {_wire_name(obj)}")
-
-
-def _from_union(obj: Any, arms: tuple[Any, ...], path: str) -> Any:
-    if obj is None:
-        if _NONE in arms:
-            return None
-    first: ProtocolError | None = None
-    for arm in arms:  # first arm that takes the value wins, so order int before float
-        if arm is _NONE:
-            continue
-        try:
-            return _from_wire(obj, arm, path)
-        except ProtocolError as e:
-            first = first or e
-    if first is not None and sum(a is not _NONE for a in arms) == 1:
-        raise first  # X | None: the reason for X is the useful one
-    raise ProtocolError(f"{path}: expected {_type_name(arms)}, got {_wire_name(obj)}")
-
-
-def _from_tuple(obj: Any, args: tuple[Any, ...], path: str) -> tuple[Any, ...]:
-    if not isinstance(obj, list):
-        raise ProtocolError(f"{path}: expected an array, got {_wire_name(obj)}")
-    if len(args) == 2 and args[1] is Ellipsis:
-        return tuple(_from_wire(x, args[0], f"{path}[{i}]") for i, x in enumerate(obj))
-    if args == ((),) or not args:  # tuple[()] : the empty tuple
-        args = ()
-    if len(obj) != len(args):
-        raise ProtocolError(f"{path}: expected {len(args)} items, got {len(obj)}")
-    return tuple(_from_wire(x, a, f"{path}[{i}]") for i, (x, a) in enumerate(zip(obj, args)))
+        presence = _PRESENCE.get(cls)
+        if presence is not None:
+            presence.decode(env.b)
+        msg = _DECODERS[cls].decode(env.b)
+        if cls in _VALIDATED:
+            msg.validate()
+    except ProtocolError as e:  # from validate()
+        raise ProtocolError(f"{k}: {e}", e.code, e.refusal) from None
+    except msgspec.ValidationError as e:  # a wrong type, a missing or extra field, a rule of __post_init__
+        raise wire_error(k, e) from None
+    except msgspec.DecodeError as e:
+        raise _not_msgpack(e) from None
+    except Exception as e:  # a rule that raised something else is still bad input
+        raise ProtocolError(f"{k}: invalid ({type(e).__name__}: {one_line(e, 80)})") from None
+    return msg
 
 
 # ---------------------------------------------------------------- reasons
 
-
-def _wire_name(obj: Any) -> str:
-    """The msgpack-level name of a decoded value, for reasons."""
-    names = {bool: "bool", int: "int", float: "float", str: "str", bytes: "bin",
-             list: "array", dict: "map", _NONE: "nil"}
-    return names.get(type(obj), type(obj).__name__)
+# msgspec's reasons end with where the fault is: "Expected `int`, got `str` - at `$.sampling.seed`"
+_AT = re.compile(r"(.*) - at `\$(.*)`\Z", re.DOTALL)
 
 
-def _type_name(tp: Any) -> str:
-    if isinstance(tp, tuple):
-        return " | ".join(_type_name(a) for a in tp)
-    if tp is _NONE:
-        return "nil"
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return f"a {tp.__name__} map"
-    return getattr(tp, "__name__", None) or str(tp)
+def wire_error(what: str, e: msgspec.ValidationError) -> ProtocolError:
+    """A ProtocolError for msgspec's verdict on a message's fields, named `what.path: reason`.
+    A rule of a class (its __post_init__ raised a ProtocolError) keeps its code and refusal."""
+    text, path = str(e), ""
+    m = _AT.match(text)
+    if m is not None:
+        text, path = m.group(1), m.group(2)
+    cause = e.__cause__
+    if isinstance(cause, ProtocolError):
+        return ProtocolError(f"{what}{path}: {cause}", cause.code, cause.refusal)
+    text = text.replace("`", "")
+    return ProtocolError(f"{what}{path}: {text[:1].lower()}{text[1:]}")
 
 
-def _keys(keys: Any) -> str:
-    """A short rendering of (possibly hostile) map keys."""
-    ks = list(keys)
-    shown = ", ".join(one_line(repr(k), 40) for k in ks[:5])
-    return shown + (f" and {len(ks) - 5} more" if len(ks) > 5 else "")
+def _not_msgpack(e: Exception) -> ProtocolError:
+    if "trailing characters" in str(e):
+        return ProtocolError("trailing bytes after the message")
+    return ProtocolError(f"not valid msgpack ({type(e).__name__}: {one_line(e, 80)})")
 
 
 # ---------------------------------------------------------------- built-ins
 
 for _cls in (_messages.ChatMessage, _messages.SamplingParams, _messages.GenerateRequest,
              _messages.Usage, _messages.Timings, _messages.TokenLogprob, _messages.TokenEvent, _messages.ErrorReply,
-             _messages.Refusal, _structured.ToolSpec, _structured.ToolCall):
+             _errors.Refusal, _structured.ToolSpec, _structured.ToolCall):
     register(_cls)
 del _cls
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
-from engine.protocol._checks import is_int, is_num, is_text, require, set_float
-from engine.protocol.codec import register
-from engine.protocol.errors import ProtocolError
+import msgspec
+
+from engine.protocol._checks import in_range, is_text, require, set_float
+from engine.protocol.base import Message
+from engine.protocol.codec import register, wire_error
 
 MAX_ID_CHARS = 128  # request ids, shard ids
 MAX_NAME_CHARS = 255  # host names, device names, controller names
@@ -36,18 +37,21 @@ MAX_SHARD_BYTES = 2**42  # 4 TiB: no shard is bigger, and the sum fits an int64
 MAX_COUNT = 2**63 - 1
 MAX_PORT = 65_535
 MAX_RING_KEYS = 256  # agents of one ring (= MAX_STAGES of the data plane)
+_INF = float("inf")
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _NODE_ID = re.compile(r"[0-9a-f]{32}\Z")
 _Z85 = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")
 _CODE = re.compile(r"[0-9]{6}\Z")
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}\Z")
+_DEVICE = re.compile(r"[A-Z][A-Z0-9_.:,]{0,63}\Z")
 
 ShardState = Literal["cached", "partial", "starting", "running", "exited"]
 PairState = Literal["pending", "accepted", "rejected"]
 EventKind = Literal["yield", "worker_exit", "yielding"]  # yielding: the user is back, unload now (grace)
 
 
-def _rid(v: object) -> bool:
+def _rid(v: str) -> bool:
     return is_text(v, MAX_ID_CHARS, allow_empty=False)
 
 
@@ -66,24 +70,23 @@ def is_z85_key(v: object) -> bool:
     return isinstance(v, str) and _Z85.match(v) is not None
 
 
-def _port(v: object, allow_zero: bool = False) -> bool:
-    return is_int(v) and (0 if allow_zero else 1) <= v <= MAX_PORT
+def _port(v: int, allow_zero: bool = False) -> bool:
+    return (0 if allow_zero else 1) <= v <= MAX_PORT
 
 
-def _size(v: object) -> bool:
-    return is_int(v) and 0 <= v <= MAX_SHARD_BYTES
+def _size(v: int) -> bool:
+    return 0 <= v <= MAX_SHARD_BYTES
 
 
-def _opt_time(v: object) -> bool:
-    return v is None or (is_num(v) and 0.0 <= v <= 1e11)
+def _opt_time(v: float | None) -> bool:
+    return v is None or in_range(v, 0.0, 1e11)
 
 
 # ---------------------------------------------------------------- shared parts
 
 
 @register
-@dataclass(frozen=True)
-class DeviceInfo:
+class DeviceInfo(Message):
     KIND: ClassVar[str] = "device_info"
     name: str  # OpenVINO device name: "CPU", "GPU.0", "NPU"
     full_name: str  # FULL_DEVICE_NAME, e.g. "Intel(R) Arc(TM) Graphics"; may be ""
@@ -94,8 +97,7 @@ class DeviceInfo:
 
 
 @register
-@dataclass(frozen=True)
-class AgentInfo:
+class AgentInfo(Message):
     """What an agent announces: mDNS TXT, InfoReply and StatusReply all carry it."""
 
     KIND: ClassVar[str] = "agent_info"
@@ -120,25 +122,20 @@ class AgentInfo:
         require(is_node_id(self.node_id), "node_id must be 32 lower-case hex digits")
         for name in ("hostname", "os", "version"):
             require(is_text(getattr(self, name), MAX_NAME_CHARS), f"{name} is too long")
-        require(is_int(self.protocol) and 0 <= self.protocol <= 65_535, "bad protocol")
-        require(isinstance(self.devices, tuple) and len(self.devices) <= MAX_DEVICES
-                and all(isinstance(d, DeviceInfo) for d in self.devices), "bad devices")
+        require(0 <= self.protocol <= 65_535, "bad protocol")
+        require(len(self.devices) <= MAX_DEVICES, "bad devices")
         require(_size(self.ram_total) and _size(self.ram_available), "bad RAM figures")
-        require(isinstance(self.idle, bool), "idle must be a bool")
         require(_opt_time(self.idle_since), "bad idle_since")
-        require(self.on_ac is None or isinstance(self.on_ac, bool), "on_ac must be a bool or nil")
         for name in ("control_port", "pair_port", "info_port"):
             require(_port(getattr(self, name)), f"{name} must be 1..{MAX_PORT}")
         require(is_z85_key(self.public_key), "public_key must be a 40-character Z85 key")
-        require(isinstance(self.fingerprint, str) and re.fullmatch(r"[0-9a-f]{16}", self.fingerprint)
-                is not None, "fingerprint must be 16 hex digits")
+        require(_FINGERPRINT.match(self.fingerprint) is not None, "fingerprint must be 16 hex digits")
         if self.idle_since is not None:
             set_float(self, "idle_since")
 
 
 @register
-@dataclass(frozen=True)
-class AgentUp:
+class AgentUp(Message):
     """An agent's first word to the process that started it (the tray, the app): it serves,
     on these ports. Written once as one JSON line on the agent's stdout (`flotilla agent
     --announce`), the way a shard worker says it is bound, so the starter reads fields and
@@ -171,14 +168,14 @@ class AgentUp:
         if not isinstance(obj, dict) or obj.get("event") != cls.KIND:
             return None
         fields = {k: v for k, v in obj.items() if k != "event"}
-        if set(fields) != {"node_id", "control_port", "pair_port", "info_port"}:
-            raise ProtocolError(f"agent_up has fields {sorted(fields)}")
-        return cls(**fields)
+        try:
+            return msgspec.convert(fields, cls)  # types, fields and rules checked as on the wire
+        except msgspec.ValidationError as e:
+            raise wire_error(cls.KIND, e) from None
 
 
 @register
-@dataclass(frozen=True)
-class ShardInfo:
+class ShardInfo(Message):
     KIND: ClassVar[str] = "shard_info"
     shard_id: str  # the controller's name for it, e.g. "llama-3.1-8b/L0-16"
     sha256: str  # content hash; the agent stores shards by it
@@ -194,9 +191,8 @@ class ShardInfo:
         require(is_sha256(self.sha256), "sha256 must be 64 lower-case hex digits")
         require(_size(self.size) and _size(self.have_bytes) and self.have_bytes <= self.size,
                 "bad size/have_bytes")
-        require(self.pid is None or (is_int(self.pid) and 0 < self.pid < 2**31), "bad pid")
-        require(self.exit_code is None or (is_int(self.exit_code) and -255 <= self.exit_code <= 255),
-                "bad exit_code")
+        require(self.pid is None or 0 < self.pid < 2**31, "bad pid")
+        require(self.exit_code is None or -255 <= self.exit_code <= 255, "bad exit_code")
         require(self.device is None or is_text(self.device, 64, allow_empty=False), "bad device")
         require(self.state in get_args(ShardState), f"state must be one of {get_args(ShardState)}")
 
@@ -205,8 +201,7 @@ class ShardInfo:
 
 
 @register
-@dataclass(frozen=True)
-class InfoRequest:
+class InfoRequest(Message):
     KIND: ClassVar[str] = "info_request"
     request_id: str  # echoed in the reply
 
@@ -215,23 +210,20 @@ class InfoRequest:
 
 
 @register
-@dataclass(frozen=True)
-class InfoReply:
+class InfoReply(Message):
     KIND: ClassVar[str] = "info_reply"
     request_id: str  # of the InfoRequest
     info: AgentInfo  # the same facts as the mDNS TXT record
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
-        require(isinstance(self.info, AgentInfo), "info must be AgentInfo")
 
 
 # ---------------------------------------------------------------- pairing port
 
 
 @register
-@dataclass(frozen=True)
-class PairRequest:
+class PairRequest(Message):
     """Ask to be paired, or (sent again) whether the owner has accepted yet.
     The controller's key is NOT in the body: the agent takes it from the CURVE
     handshake, so nobody can ask to pair a key they do not hold."""
@@ -247,8 +239,7 @@ class PairRequest:
 
 
 @register
-@dataclass(frozen=True)
-class PairReply:
+class PairReply(Message):
     KIND: ClassVar[str] = "pair_reply"
     request_id: str  # of the PairRequest
     state: PairState  # pending until the owner accepts the code on the agent
@@ -257,8 +248,7 @@ class PairReply:
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
-        require(isinstance(self.code, str) and _CODE.match(self.code) is not None,
-                "code must be 6 digits")
+        require(_CODE.match(self.code) is not None, "code must be 6 digits")
         require(self.state in get_args(PairState), f"state must be one of {get_args(PairState)}")
         require(is_text(self.agent_name, MAX_NAME_CHARS), "agent_name is too long")
 
@@ -267,8 +257,7 @@ class PairReply:
 
 
 @register
-@dataclass(frozen=True)
-class StatusRequest:
+class StatusRequest(Message):
     KIND: ClassVar[str] = "status_request"
     request_id: str  # echoed in the reply
 
@@ -277,8 +266,7 @@ class StatusRequest:
 
 
 @register
-@dataclass(frozen=True)
-class StatusReply:
+class StatusReply(Message):
     KIND: ClassVar[str] = "status_reply"
     request_id: str  # of the StatusRequest
     info: AgentInfo  # current figures (not the thresholded announcement)
@@ -288,16 +276,12 @@ class StatusReply:
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
-        require(isinstance(self.info, AgentInfo), "info must be AgentInfo")
-        require(isinstance(self.sharing, bool), "sharing must be a bool")
         require(is_text(self.reason, MAX_DETAIL_CHARS), "reason is too long")
-        require(isinstance(self.shards, tuple) and len(self.shards) <= MAX_SHARDS
-                and all(isinstance(s, ShardInfo) for s in self.shards), "bad shards")
+        require(len(self.shards) <= MAX_SHARDS, "bad shards")
 
 
 @register
-@dataclass(frozen=True)
-class PrepareRequest:
+class PrepareRequest(Message):
     """Announce a shard. The reply says whether it is already cached, else how
     many bytes of it the agent has (resume from there with ChunkRequests)."""
 
@@ -315,8 +299,7 @@ class PrepareRequest:
 
 
 @register
-@dataclass(frozen=True)
-class PrepareReply:
+class PrepareReply(Message):
     KIND: ClassVar[str] = "prepare_reply"
     request_id: str  # of the PrepareRequest
     sha256: str  # the shard
@@ -326,13 +309,11 @@ class PrepareReply:
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
         require(is_sha256(self.sha256), "bad sha256")
-        require(isinstance(self.cached, bool), "cached must be a bool")
         require(_size(self.have_bytes), "bad have_bytes")
 
 
 @register
-@dataclass(frozen=True)
-class ChunkRequest:
+class ChunkRequest(Message):
     """A piece of a prepared shard. Chunks arrive in order: offset must equal
     the agent's have_bytes, so a resend after a lost reply is refused rather
     than written twice (the controller re-Prepares to learn where to go on)."""
@@ -348,13 +329,11 @@ class ChunkRequest:
         require(_rid(self.request_id), "bad request_id")
         require(is_sha256(self.sha256) and is_sha256(self.chunk_sha256), "bad sha256")
         require(_size(self.offset), "bad offset")
-        require(isinstance(self.data, bytes) and 0 < len(self.data) <= MAX_CHUNK_BYTES,
-                f"data must be 1..{MAX_CHUNK_BYTES} bytes")
+        require(0 < len(self.data) <= MAX_CHUNK_BYTES, f"data must be 1..{MAX_CHUNK_BYTES} bytes")
 
 
 @register
-@dataclass(frozen=True)
-class ChunkReply:
+class ChunkReply(Message):
     KIND: ClassVar[str] = "chunk_reply"
     request_id: str  # of the ChunkRequest
     sha256: str  # the shard
@@ -365,12 +344,10 @@ class ChunkReply:
         require(_rid(self.request_id), "bad request_id")
         require(is_sha256(self.sha256), "bad sha256")
         require(_size(self.have_bytes), "bad have_bytes")
-        require(isinstance(self.complete, bool), "complete must be a bool")
 
 
 @register
-@dataclass(frozen=True)
-class LoadRequest:
+class LoadRequest(Message):
     """Start a shard worker on a cached shard."""
 
     KIND: ClassVar[str] = "load_request"
@@ -389,20 +366,16 @@ class LoadRequest:
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
         require(is_sha256(self.sha256), "bad sha256")
-        require(is_int(self.context_length) and 0 <= self.context_length <= 1 << 24, "bad context_length")
-        require(is_int(self.streams) and 1 <= self.streams <= 1024, "streams must be 1..1024")
-        require(isinstance(self.device, str) and re.fullmatch(r"[A-Z][A-Z0-9_.:,]{0,63}", self.device)
-                is not None, "device must look like CPU, GPU.0, NPU or AUTO")
+        require(0 <= self.context_length <= 1 << 24, "bad context_length")
+        require(1 <= self.streams <= 1024, "streams must be 1..1024")
+        require(_DEVICE.match(self.device) is not None, "device must look like CPU, GPU.0, NPU or AUTO")
         require(_port(self.data_port, allow_zero=True), f"data_port must be 0..{MAX_PORT}")
-        require(isinstance(self.exact, bool), "exact must be a bool")
-        require(isinstance(self.ring_keys, tuple) and len(self.ring_keys) <= MAX_RING_KEYS
-                and all(is_z85_key(k) for k in self.ring_keys),
+        require(len(self.ring_keys) <= MAX_RING_KEYS and all(is_z85_key(k) for k in self.ring_keys),
                 f"ring_keys must be at most {MAX_RING_KEYS} Z85 public keys")
 
 
 @register
-@dataclass(frozen=True)
-class LoadReply:
+class LoadReply(Message):
     KIND: ClassVar[str] = "load_reply"
     request_id: str  # of the LoadRequest
     shard: ShardInfo  # state "starting" or "running", with the worker's pid
@@ -410,13 +383,11 @@ class LoadReply:
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
-        require(isinstance(self.shard, ShardInfo), "shard must be ShardInfo")
         require(_port(self.data_port, allow_zero=True), f"data_port must be 0..{MAX_PORT}")
 
 
 @register
-@dataclass(frozen=True)
-class UnloadRequest:
+class UnloadRequest(Message):
     KIND: ClassVar[str] = "unload_request"
     request_id: str  # echoed in the reply
     sha256: str  # the shard whose worker to stop (the cached file stays)
@@ -427,44 +398,38 @@ class UnloadRequest:
 
 
 @register
-@dataclass(frozen=True)
-class UnloadReply:
+class UnloadReply(Message):
     KIND: ClassVar[str] = "unload_reply"
     request_id: str  # of the UnloadRequest
     shard: ShardInfo  # state "exited" with the worker's exit code
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
-        require(isinstance(self.shard, ShardInfo), "shard must be ShardInfo")
 
 
 @register
-@dataclass(frozen=True)
-class StopRequest:
+class StopRequest(Message):
     KIND: ClassVar[str] = "stop_request"
     request_id: str  # echoed in the reply
     shutdown: bool  # also end the agent process (after replying); else only its workers
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
-        require(isinstance(self.shutdown, bool), "shutdown must be a bool")
 
 
 @register
-@dataclass(frozen=True)
-class StopReply:
+class StopReply(Message):
     KIND: ClassVar[str] = "stop_reply"
     request_id: str  # of the StopRequest
     stopped: int  # workers stopped
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")
-        require(is_int(self.stopped) and 0 <= self.stopped <= MAX_COUNT, "bad stopped")
+        require(0 <= self.stopped <= MAX_COUNT, "bad stopped")
 
 
 @register
-@dataclass(frozen=True)
-class AgentEvent:
+class AgentEvent(Message):
     """Pushed by the agent, unasked, to every controller it has heard from:
     it yielded the PC to its user, or a worker exited on its own."""
 
@@ -479,9 +444,8 @@ class AgentEvent:
         require(is_node_id(self.node_id), "bad node_id")
         require(self.event in get_args(EventKind), f"event must be one of {get_args(EventKind)}")
         require(is_text(self.detail, MAX_DETAIL_CHARS), "detail is too long")
-        require(isinstance(self.shards, tuple) and len(self.shards) <= MAX_SHARDS
-                and all(is_sha256(s) for s in self.shards), "bad shards")
-        require(is_num(self.time) and self.time >= 0, "bad time")
+        require(len(self.shards) <= MAX_SHARDS and all(is_sha256(s) for s in self.shards), "bad shards")
+        require(in_range(self.time, 0.0, _INF), "bad time")
         set_float(self, "time")
 
 

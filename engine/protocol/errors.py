@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
+
+from engine.protocol.base import Message
 
 # Codes a peer may put in an ErrorReply. A fixed, small set so the other side
 # can branch on it; the human-readable detail goes in the message.
-ERROR_CODES = (
+ErrorCode = Literal[
     "malformed",  # not valid msgpack, wrong shape, wrong types, failed validation
     "unknown_kind",  # a message kind this peer does not know
     "version",  # another protocol major version
@@ -17,11 +18,12 @@ ERROR_CODES = (
     "not_found",  # the request, shard or model named does not exist here
     "overloaded",  # the peer is busy with other work; try again later or elsewhere
     "refused",  # the peer will not take this work as asked; the reply's Refusal says why, for programs
-)
+]
+ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
 
 # Why a peer refused ("refused" errors). Each byte reason carries need_bytes and
 # limit_bytes; the others carry 0 for both.
-REFUSAL_REASONS = (
+RefusalReason = Literal[
     "not_sharing",  # its owner's sharing policy says no right now (switched off, user active, on battery)
     "device",  # the device asked for is not one its owner shares
     "policy_cap",  # over the owner's RAM cap for fleet work: need = the worker's bytes, limit = what the cap leaves
@@ -29,7 +31,8 @@ REFUSAL_REASONS = (
     "cpu_busy",  # the PC is busier than its owner lets new work start at
     "disk",  # not enough free disk for a shard: need = bytes to receive + margin kept free + transfers
     #          in flight, limit = free disk
-)
+]
+REFUSAL_REASONS: tuple[str, ...] = get_args(RefusalReason)
 BYTE_REASONS = ("policy_cap", "ram", "disk")  # the reasons that carry need_bytes / limit_bytes
 MAX_BYTES = 2**63 - 1  # byte counts fit a signed 64-bit int on the wire
 
@@ -67,23 +70,18 @@ class ProtocolError(ValueError):
         super().__init__(one_line(reason))
 
 
-def _is_count(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_BYTES
-
-
-@dataclass(frozen=True)
-class Refusal:
+class Refusal(Message):
     """Why a peer refused work, for programs (the message says it for people)."""
 
     KIND: ClassVar[str] = "refusal"
-    reason: str  # one of REFUSAL_REASONS
+    reason: RefusalReason
     need_bytes: int = 0  # byte reasons: what the work needs; else 0
     limit_bytes: int = 0  # byte reasons: what the peer has for it; else 0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.reason, str) and self.reason in REFUSAL_REASONS):
+        if self.reason not in REFUSAL_REASONS:
             raise ProtocolError(f"refusal reason must be one of {REFUSAL_REASONS}, got {self.reason!r:.40}")
-        if not (_is_count(self.need_bytes) and _is_count(self.limit_bytes)):
+        if not (0 <= self.need_bytes <= MAX_BYTES and 0 <= self.limit_bytes <= MAX_BYTES):
             raise ProtocolError("refusal need_bytes and limit_bytes must be integers in 0..2**63-1")
         if self.reason not in BYTE_REASONS and (self.need_bytes or self.limit_bytes):
             raise ProtocolError(f"a {self.reason} refusal carries no byte counts")

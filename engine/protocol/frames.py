@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
-from engine.protocol._checks import is_int, require
+from engine.protocol._checks import require
+from engine.protocol.base import Message
 from engine.protocol.codec import MAX_MESSAGE_BYTES, decode, encode, register
 from engine.protocol.errors import ProtocolError
 
@@ -46,8 +46,7 @@ DTYPES: dict[str, np.dtype] = {
 
 
 @register
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(Message):
     """What one raw tensor frame holds."""
 
     KIND: ClassVar[str] = "tensor_spec"
@@ -56,13 +55,10 @@ class TensorSpec:
     nbytes: int  # = prod(shape) * itemsize; the exact length of the frame
 
     def __post_init__(self) -> None:
-        require(isinstance(self.dtype, str) and self.dtype in DTYPES,
-                f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r:.40}")
-        require(isinstance(self.shape, tuple) and len(self.shape) <= MAX_NDIM
-                and all(is_int(d) and 0 <= d <= MAX_TENSOR_BYTES for d in self.shape),
+        require(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r:.40}")
+        require(len(self.shape) <= MAX_NDIM and all(0 <= d <= MAX_TENSOR_BYTES for d in self.shape),
                 f"shape must be at most {MAX_NDIM} non-negative integers")
-        require(is_int(self.nbytes) and 0 <= self.nbytes <= MAX_TENSOR_BYTES,
-                f"nbytes must be an integer in 0..{MAX_TENSOR_BYTES}")
+        require(0 <= self.nbytes <= MAX_TENSOR_BYTES, f"nbytes must be an integer in 0..{MAX_TENSOR_BYTES}")
         # Python ints: a product of hostile dims cannot overflow
         want = math.prod(self.shape) * DTYPES[self.dtype].itemsize
         require(self.nbytes == want, f"nbytes {self.nbytes} does not match shape "
@@ -70,8 +66,7 @@ class TensorSpec:
 
 
 @register
-@dataclass(frozen=True)
-class FramedHeader:
+class FramedHeader(Message):
     """Frame 0 of a framed message."""
 
     KIND: ClassVar[str] = "framed_header"
@@ -79,11 +74,8 @@ class FramedHeader:
     tensors: tuple[TensorSpec, ...]  # one spec per following frame, in order
 
     def __post_init__(self) -> None:
-        require(isinstance(self.payload, bytes) and 0 < len(self.payload) <= MAX_MESSAGE_BYTES,
-                "payload must be a non-empty encoded message")
-        require(isinstance(self.tensors, tuple) and len(self.tensors) <= MAX_TENSORS
-                and all(isinstance(t, TensorSpec) for t in self.tensors),
-                f"tensors must be at most {MAX_TENSORS} TensorSpec values")
+        require(0 < len(self.payload) <= MAX_MESSAGE_BYTES, "payload must be a non-empty encoded message")
+        require(len(self.tensors) <= MAX_TENSORS, f"tensors must be at most {MAX_TENSORS} TensorSpec values")
         total = sum(t.nbytes for t in self.tensors)
         if total > MAX_TENSOR_BYTES:
             raise ProtocolError(f"tensors total {total} bytes, over the "

@@ -1,35 +1,57 @@
 """Messages of the generation API: what a chat, the CLI or the HTTP API send
 to an engine, and the events an engine streams back.
 
-Every message is a frozen dataclass validated on construction, so an invalid
-one cannot exist. The codec (engine.protocol.codec) turns them into bytes.
+Every message is a frozen msgspec Struct (engine.protocol.base). The request
+side -- GenerateRequest and its parts, built once per request -- checks its
+rules when built, so an invalid one cannot exist (the HTTP API answers a
+ProtocolError with a 400). The answer side -- TokenEvent and TokenLogprob, built
+for every token inside an engine -- checks its rules in validate(), which the
+codec runs when one crosses the wire (engine.protocol.codec), so the per-token
+path pays nothing. The codec turns them all into bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
-from engine.protocol._checks import is_int as _is_int
-from engine.protocol._checks import is_num as _is_num
+import msgspec
+from msgspec.structs import force_setattr
+
+from engine.protocol._checks import in_range as _in_range
 from engine.protocol._checks import is_text as _is_text
 from engine.protocol._checks import require as _require
 from engine.protocol._checks import set_float as _set_float
-from engine.protocol.errors import ERROR_CODES, ProtocolError, Refusal, one_line
-from engine.protocol.structured import MAX_TOOL_CALLS, ToolCall, ToolSpec, check_structure
+from engine.protocol.base import Message
+from engine.protocol.errors import (
+    ERROR_CODES,
+    ErrorCode,
+    ProtocolError,
+    Refusal,
+    one_line,
+)
+from engine.protocol.structured import (
+    MAX_TOOL_CALLS,
+    ToolCall,
+    ToolChoice,
+    ToolSpec,
+    check_structure,
+)
 
-ROLES = ("system", "user", "assistant", "tool")
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[str, ...] = get_args(Role)
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 # Why an answer ended in error, for programs: the API picks its HTTP status by it and the
 # chat panel its banner. The sentence in TokenEvent.error is for people and may be reworded
 # at will; nothing branches on its words.
-EVENT_ERROR_CODES = (
+EventErrorCode = Literal[
     "context_length_exceeded",  # the prompt does not fit the context (prompt + answer): a client error
     "bad_request",  # the request cannot be served as asked (empty prompt, a grammar that does not compile, ...)
     "peer_lost",  # a pipeline stage failed or stopped answering: the fleet, not the request
     "closed",  # the engine was closed while the request waited or ran
     "engine",  # anything else: the engine failed on this request
-)
+]
+EVENT_ERROR_CODES: tuple[str, ...] = get_args(EventErrorCode)
 CLIENT_ERROR_CODES = ("context_length_exceeded", "bad_request")  # the request's fault (HTTP 400)
 MAX_TEXT_CHARS = 1_000_000  # one chat message or prompt
 MAX_MESSAGES = 1_000
@@ -40,41 +62,40 @@ MAX_ID_CHARS = 128  # request ids
 MAX_TOKEN_ID = 2**31 - 1  # token ids fit an int32 tensor on the data plane
 MAX_COUNT = 2**63 - 1  # counters fit a signed 64-bit int on the wire
 MAX_ERROR_CHARS = 1_000  # an error reason is one line, not a traceback
-SPECULATIVE_MODES = ("off", "draft", "lookup")  # speculative decoding: none, a draft model, prompt lookup
+SpeculativeMode = Literal["off", "draft", "lookup"]  # speculative decoding: none, a draft model, prompt lookup
+SPECULATIVE_MODES: tuple[str, ...] = get_args(SpeculativeMode)
 MAX_SPEC_K = 16  # drafted tokens per speculative step at most
 MAX_TOP_LOGPROBS = 20  # alternatives per position with logprobs (OpenAI's limit)
 MAX_TOKEN_CHARS = 256  # one token's text
+_INF = float("inf")
 
 
-def _is_request_id(v: object) -> bool:
+def _is_request_id(v: str) -> bool:
     return _is_text(v, MAX_ID_CHARS, allow_empty=False)
 
 
-@dataclass(frozen=True)
-class ChatMessage:
+def _token_ids_ok(ids: tuple[int, ...], most: int) -> bool:
+    return len(ids) <= most and all(0 <= t <= MAX_TOKEN_ID for t in ids)
+
+
+class ChatMessage(Message):
     KIND: ClassVar[str] = "chat_message"
-    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result)
+    role: Role  # "system" | "user" | "assistant" | "tool" (a tool's result)
     content: str  # the text of the turn
     tool_calls: tuple[ToolCall, ...] = ()  # assistant turns: the calls the model made
     tool_call_id: str | None = None  # tool turns: which call this answers
 
     def __post_init__(self) -> None:
-        # isinstance first: `x in ROLES` on an odd object may itself raise
-        _require(isinstance(self.role, str) and self.role in ROLES,
-                 f"role must be one of {ROLES}, got {self.role!r:.40}")
-        _require(isinstance(self.content, str), "content must be a string")
+        _require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r:.40}")
         _require(len(self.content) <= MAX_TEXT_CHARS, "content is too long")
-        _require(isinstance(self.tool_calls, tuple) and len(self.tool_calls) <= MAX_TOOL_CALLS
-                 and all(isinstance(c, ToolCall) for c in self.tool_calls),
-                 f"tool_calls must be at most {MAX_TOOL_CALLS} ToolCall values")
+        _require(len(self.tool_calls) <= MAX_TOOL_CALLS, f"tool_calls must be at most {MAX_TOOL_CALLS} ToolCall values")
         _require(not self.tool_calls or self.role == "assistant", "only an assistant turn has tool calls")
         _require((self.tool_call_id is not None) == (self.role == "tool")
                  and (self.tool_call_id is None or _is_text(self.tool_call_id, 128, allow_empty=False)),
                  "a tool turn (and only a tool turn) names the tool_call_id it answers")
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(Message):
     KIND: ClassVar[str] = "sampling_params"
     max_tokens: int = 256  # new tokens at most
     temperature: float = 0.0  # 0 = greedy
@@ -88,23 +109,18 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; n: each new token's logprob and the n likeliest alternatives
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_NEW_TOKENS,
-                 f"max_tokens must be an integer in 1..{MAX_NEW_TOKENS}")
-        _require(_is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
-                 "temperature must be a number in 0..100")
-        _require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
-        _require(_is_int(self.top_k) and 0 <= self.top_k <= MAX_TOKEN_ID,
-                 "top_k must be a non-negative integer")
-        _require(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
+        _require(1 <= self.max_tokens <= MAX_NEW_TOKENS, f"max_tokens must be an integer in 1..{MAX_NEW_TOKENS}")
+        _require(_in_range(self.temperature, 0.0, 100.0), "temperature must be a number in 0..100")
+        _require(_in_range(self.top_p, 0.0, 1.0) and self.top_p > 0.0, "top_p must be in (0, 1]")
+        _require(0 <= self.top_k <= MAX_TOKEN_ID, "top_k must be a non-negative integer")
+        _require(_in_range(self.repetition_penalty, 0.0, 100.0) and self.repetition_penalty > 0.0,
                  "repetition_penalty must be in (0, 100]")
-        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_COUNT),
-                 "seed must be a non-negative 63-bit integer")
-        _require(isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOP_STRINGS
+        _require(self.seed is None or 0 <= self.seed <= MAX_COUNT, "seed must be a non-negative 63-bit integer")
+        _require(len(self.stop) <= MAX_STOP_STRINGS
                  and all(_is_text(s, MAX_STOP_CHARS, allow_empty=False) for s in self.stop),
                  f"stop must be at most {MAX_STOP_STRINGS} non-empty strings "
                  f"of at most {MAX_STOP_CHARS} characters")
-        _require(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
                  f"logprobs must be nil or an integer in 0..{MAX_TOP_LOGPROBS}")
         for name in ("temperature", "top_p", "repetition_penalty"):
             _set_float(self, name)
@@ -114,36 +130,32 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass(frozen=True)
-class SpeculativeParams:
+class SpeculativeParams(Message):
     """Speculative decoding of one request (docs/speculative.md). The output
     distribution is the target's either way: greedy answers are identical."""
 
     KIND: ClassVar[str] = "speculative_params"
-    mode: str = "off"  # "off" | "draft" (the engine's draft model) | "lookup" (prompt n-grams)
+    mode: SpeculativeMode = "off"  # "off" | "draft" (the engine's draft model) | "lookup" (prompt n-grams)
     k: int | None = None  # drafted tokens per step (the start value when adaptive); None = engine default
     adaptive: bool = True  # adapt k to the running acceptance rate (1..max(k, engine maximum))
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.mode, str) and self.mode in SPECULATIVE_MODES,
+        _require(self.mode in SPECULATIVE_MODES,
                  f"speculative mode must be one of {SPECULATIVE_MODES}, got {self.mode!r:.40}")
-        _require(self.k is None or (_is_int(self.k) and 1 <= self.k <= MAX_SPEC_K),
-                 f"speculative k must be an integer in 1..{MAX_SPEC_K}")
-        _require(isinstance(self.adaptive, bool), "speculative adaptive must be a bool")
+        _require(self.k is None or 1 <= self.k <= MAX_SPEC_K, f"speculative k must be an integer in 1..{MAX_SPEC_K}")
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
+class GenerateRequest(Message):
     """One generation: either a chat (messages) or a raw prompt, never both."""
 
     KIND: ClassVar[str] = "generate_request"
     request_id: str  # unique per engine; chosen by the client
     messages: tuple[ChatMessage, ...] | None = None  # chat turns, templated by the engine
     prompt: str | None = None  # raw text, no template (the /v1/completions path)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     speculative: SpeculativeParams | None = None  # None = the engine's default (set at its start)
     tools: tuple[ToolSpec, ...] = ()  # functions the model may call (chat only; engine/runtime/tool_format.py)
-    tool_choice: str = "auto"  # "auto" | "none" | "required" (a call is forced by a grammar)
+    tool_choice: ToolChoice = "auto"  # "auto" | "none" | "required" (a call is forced by a grammar)
     forced_tool: str | None = None  # with "required": the one tool it must call
     json_schema: str | None = None  # the answer is a JSON document valid under this schema (JSON text)
 
@@ -158,16 +170,9 @@ class GenerateRequest:
         _require((self.messages is None) != (self.prompt is None),
                  "give exactly one of messages or prompt")
         if self.messages is not None:
-            _require(isinstance(self.messages, tuple) and 0 < len(self.messages) <= MAX_MESSAGES,
-                     f"messages must hold 1..{MAX_MESSAGES} chat messages")
-            _require(all(isinstance(m, ChatMessage) for m in self.messages),
-                     "messages must be ChatMessage values")
+            _require(0 < len(self.messages) <= MAX_MESSAGES, f"messages must hold 1..{MAX_MESSAGES} chat messages")
         if self.prompt is not None:
-            _require(_is_text(self.prompt, MAX_TEXT_CHARS),
-                     "prompt must be a string of reasonable length")
-        _require(isinstance(self.sampling, SamplingParams), "sampling must be SamplingParams")
-        _require(self.speculative is None or isinstance(self.speculative, SpeculativeParams),
-                 "speculative must be SpeculativeParams or nil")
+            _require(len(self.prompt) <= MAX_TEXT_CHARS, "prompt must be a string of reasonable length")
         check_structure(self.tools, self.tool_choice, self.forced_tool, self.json_schema)
         _require(not self.tools or self.messages is not None, "tools need a chat (messages), not a raw prompt")
         # A logprob is read from the logits row the token was picked from, and a grammar
@@ -181,31 +186,26 @@ class GenerateRequest:
             _require(self.speculative is None or self.speculative.mode == "off",
                      f"speculative decoding and {what} do not go together; ask for one of them")
             if self.speculative is None:
-                object.__setattr__(self, "speculative", SpeculativeParams(mode="off"))
+                force_setattr(self, "speculative", SpeculativeParams(mode="off"))
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(Message):
     KIND: ClassVar[str] = "usage"
     prompt_tokens: int  # tokens the engine read (after templating)
     completion_tokens: int  # tokens it generated
     cached_tokens: int = 0  # of the prompt tokens, those whose KV came from an earlier request
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.prompt_tokens) and 0 <= self.prompt_tokens <= MAX_COUNT,
-                 "bad prompt_tokens")
-        _require(_is_int(self.completion_tokens) and 0 <= self.completion_tokens <= MAX_COUNT,
-                 "bad completion_tokens")
-        _require(_is_int(self.cached_tokens) and 0 <= self.cached_tokens <= self.prompt_tokens,
-                 "cached_tokens must be an integer in 0..prompt_tokens")
+        _require(0 <= self.prompt_tokens <= MAX_COUNT, "bad prompt_tokens")
+        _require(0 <= self.completion_tokens <= MAX_COUNT, "bad completion_tokens")
+        _require(0 <= self.cached_tokens <= self.prompt_tokens, "cached_tokens must be an integer in 0..prompt_tokens")
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True)
-class Timings:
+class Timings(Message):
     KIND: ClassVar[str] = "timings"
     queued_s: float  # from submit to the start of prefill
     ttft_s: float  # from submit to the first token
@@ -214,16 +214,15 @@ class Timings:
 
     def __post_init__(self) -> None:
         for name in ("queued_s", "ttft_s", "total_s", "decode_tok_s"):
-            v = getattr(self, name)
-            _require(_is_num(v) and v >= 0.0, f"{name} must be a non-negative number")
+            _require(_in_range(getattr(self, name), 0.0, _INF), f"{name} must be a non-negative number")
             _set_float(self, name)
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(Message):
     """One generated token's log-probability under the model's next-token distribution
     (the raw logits' log-softmax: before temperature, top-k/top-p and penalties), and the
-    likeliest tokens at that position, best first."""
+    likeliest tokens at that position, best first. Built per token: its rules are checked
+    by validate() where it crosses the wire, not when it is built."""
 
     KIND: ClassVar[str] = "token_logprob"
     token_id: int
@@ -233,88 +232,83 @@ class TokenLogprob:
     top_texts: tuple[str, ...] = ()
     top_logprobs: tuple[float, ...] = ()
 
-    def __post_init__(self) -> None:
-        _require(_is_int(self.token_id) and 0 <= self.token_id <= MAX_TOKEN_ID, "bad token_id")
+    def validate(self) -> None:
+        """Raise ProtocolError unless the rules hold (the codec calls this)."""
+        _require(0 <= self.token_id <= MAX_TOKEN_ID, "bad token_id")
         _require(_is_text(self.text, MAX_TOKEN_CHARS), "bad token text")
-        _require(_is_num(self.logprob) and self.logprob <= 0.0, "logprob must be a number <= 0")
+        _require(_in_range(self.logprob, -_INF, 0.0), "logprob must be a number <= 0")
         n = len(self.top_ids)
-        _require(isinstance(self.top_ids, tuple) and n <= MAX_TOP_LOGPROBS
-                 and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.top_ids), "bad top_ids")
-        _require(isinstance(self.top_texts, tuple) and len(self.top_texts) == n
-                 and all(_is_text(t, MAX_TOKEN_CHARS) for t in self.top_texts), "bad top_texts")
-        _require(isinstance(self.top_logprobs, tuple) and len(self.top_logprobs) == n
-                 and all(_is_num(v) and v <= 0.0 for v in self.top_logprobs), "bad top_logprobs")
-        _set_float(self, "logprob")
-        object.__setattr__(self, "top_logprobs", tuple(float(v) for v in self.top_logprobs))
+        _require(n <= MAX_TOP_LOGPROBS and all(0 <= t <= MAX_TOKEN_ID for t in self.top_ids), "bad top_ids")
+        _require(len(self.top_texts) == n and all(_is_text(t, MAX_TOKEN_CHARS) for t in self.top_texts),
+                 "bad top_texts")
+        _require(len(self.top_logprobs) == n and all(_in_range(v, -_INF, 0.0) for v in self.top_logprobs),
+                 "bad top_logprobs")
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(Message):
     """A piece of a streamed answer. The last event of a request has
-    finish_reason set, with usage and timings; earlier ones have neither."""
+    finish_reason set, with usage and timings; earlier ones have neither.
+    Built for every token: its rules are checked by validate() where it crosses
+    the wire (the codec calls it), not when an engine builds it."""
 
     KIND: ClassVar[str] = "token_event"
     request_id: str  # which request this belongs to
     text: str = ""  # new text since the previous event (may be "" while a
     #                 multi-byte character or a possible stop string is pending)
     token_ids: tuple[int, ...] = ()  # new token ids since the previous event
-    finish_reason: str | None = None  # None while streaming, then one of FINISH_REASONS
+    finish_reason: FinishReason | None = None  # None while streaming, then one of FINISH_REASONS
     usage: Usage | None = None  # on the final event
     timings: Timings | None = None  # on the final event
     error: str | None = None  # one-line reason when finish_reason == "error"
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry when the request asked for them
-    error_code: str | None = None  # one of EVENT_ERROR_CODES with an error ("engine" when not given)
+    error_code: EventErrorCode | None = None  # one of EVENT_ERROR_CODES with an error ("engine" when not given)
 
     def __post_init__(self) -> None:
+        if self.error is not None and self.error_code is None:
+            force_setattr(self, "error_code", "engine")
+
+    def validate(self) -> None:
+        """Raise ProtocolError unless the rules hold (the codec calls this)."""
         _require(_is_request_id(self.request_id), "bad request_id")
-        _require(_is_text(self.text, MAX_TEXT_CHARS), "text must be a string of reasonable length")
-        _require(isinstance(self.token_ids, tuple) and len(self.token_ids) <= MAX_NEW_TOKENS
-                 and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.token_ids),
-                 f"token_ids must be integers in 0..{MAX_TOKEN_ID}")
-        _require(self.finish_reason is None
-                 or (isinstance(self.finish_reason, str) and self.finish_reason in FINISH_REASONS),
+        _require(len(self.text) <= MAX_TEXT_CHARS, "text must be a string of reasonable length")
+        _require(_token_ids_ok(self.token_ids, MAX_NEW_TOKENS), f"token_ids must be integers in 0..{MAX_TOKEN_ID}")
+        _require(self.finish_reason is None or self.finish_reason in FINISH_REASONS,
                  f"finish_reason must be one of {FINISH_REASONS}")
         # An error reason and finish_reason "error" come together or not at all,
         # so a client never shows an error without a why, nor a why without one.
-        _require(self.error is None or _is_text(self.error, MAX_ERROR_CHARS),
+        _require(self.error is None or len(self.error) <= MAX_ERROR_CHARS,
                  f"error must be a string of at most {MAX_ERROR_CHARS} characters")
         _require((self.error is not None) == (self.finish_reason == "error"),
                  "error goes with finish_reason 'error', and only with it")
-        if self.error is not None and self.error_code is None:
-            object.__setattr__(self, "error_code", "engine")
         _require(self.error_code is None if self.error is None else self.error_code in EVENT_ERROR_CODES,
                  f"error_code goes with an error, and is one of {EVENT_ERROR_CODES}")
-        _require(self.usage is None or isinstance(self.usage, Usage), "bad usage")
-        _require(self.timings is None or isinstance(self.timings, Timings), "bad timings")
         _require(self.finish_reason is not None or (self.usage is None and self.timings is None),
                  "usage and timings belong to the final event only")
-        _require(isinstance(self.logprobs, tuple) and all(isinstance(t, TokenLogprob) for t in self.logprobs)
-                 and (not self.logprobs or [t.token_id for t in self.logprobs] == list(self.token_ids)),
+        _require(not self.logprobs or [t.token_id for t in self.logprobs] == list(self.token_ids),
                  "logprobs must be empty or one TokenLogprob per token id, in order")
+        for lp in self.logprobs:
+            lp.validate()
 
     @property
     def final(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass(frozen=True)
-class ErrorReply:
+class ErrorReply(Message):
     """A peer's answer to input it could not handle or work it will not take.
     Built from a ProtocolError with from_exception, or directly for non-wire failures."""
 
     KIND: ClassVar[str] = "error_reply"
     request_id: str | None  # the request refused, when it could be read; else None
-    code: str  # one of ERROR_CODES, for the other side to branch on
+    code: ErrorCode  # one of ERROR_CODES, for the other side to branch on
     message: str  # one-line human reason, safe to show; no internals
     refusal: Refusal | None = None  # code "refused" only (and always): why, with the bytes, for programs
 
     def __post_init__(self) -> None:
         _require(self.request_id is None or _is_request_id(self.request_id), "bad request_id")
-        _require(isinstance(self.code, str) and self.code in ERROR_CODES,
-                 f"code must be one of {ERROR_CODES}")
-        _require(_is_text(self.message, MAX_ERROR_CHARS),
+        _require(self.code in ERROR_CODES, f"code must be one of {ERROR_CODES}")
+        _require(len(self.message) <= MAX_ERROR_CHARS,
                  f"message must be a string of at most {MAX_ERROR_CHARS} characters")
-        _require(self.refusal is None or isinstance(self.refusal, Refusal), "refusal must be a Refusal or nil")
         # A program reading "refused" always finds the reason; no other code carries one.
         _require((self.code == "refused") == (self.refusal is not None),
                  "a refusal goes with code 'refused', and only with it")
@@ -324,7 +318,7 @@ class ErrorReply:
         """A reply for exc: a ProtocolError keeps its code and reason; anything
         else becomes "internal" with no detail, because exception text from
         deep inside an engine may leak paths or data."""
-        rid = request_id if _is_request_id(request_id) else None
+        rid = request_id if isinstance(request_id, str) and _is_request_id(request_id) else None
         if isinstance(exc, ProtocolError):
-            return cls(rid, exc.code, one_line(exc, MAX_ERROR_CHARS), getattr(exc, "refusal", None))
+            return cls(rid, exc.code, one_line(exc, MAX_ERROR_CHARS), exc.refusal)  # type: ignore[arg-type]
         return cls(rid, "internal", "internal error")

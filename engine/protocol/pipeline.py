@@ -33,10 +33,10 @@ Importing this module registers the messages with the codec.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import ClassVar
 
-from engine.protocol._checks import is_int, is_num, is_text, require, set_float
+from engine.protocol._checks import float_tuple, in_range, is_text, require, set_float
+from engine.protocol.base import Message
 from engine.protocol.codec import register
 
 MAX_STREAM_ID_CHARS = 128  # stream ids (chosen by the coordinator, never reused)
@@ -55,7 +55,7 @@ _ENDPOINT = re.compile(r"(tcp://[^\s/]+:(\d{1,5}|\*)|ipc://\S+|inproc://\S+)\Z")
 _Z85 = re.compile(r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}\Z")  # a CurveZMQ key in Z85 text
 
 
-def _stream_id(v: object) -> bool:
+def _stream_id(v: str) -> bool:
     return is_text(v, MAX_STREAM_ID_CHARS, allow_empty=False)
 
 
@@ -67,14 +67,12 @@ def is_endpoint(v: object) -> bool:
     return isinstance(v, str) and len(v) <= MAX_ENDPOINT_CHARS and _ENDPOINT.match(v) is not None
 
 
-def _ms_tuple(v: object) -> bool:
-    return isinstance(v, tuple) and len(v) <= MAX_STAGES and all(
-        is_num(x) and 0.0 <= x <= MAX_MS for x in v)
+def _ms_tuple(v: tuple[float, ...]) -> bool:
+    return len(v) <= MAX_STAGES and all(in_range(x, 0.0, MAX_MS) for x in v)
 
 
 @register
-@dataclass(frozen=True)
-class StageConfigure:
+class StageConfigure(Message):
     """Coordinator -> worker: where to send outputs, and which stage it is.
 
     A worker started without --next serves nothing until it gets one; a new
@@ -92,28 +90,25 @@ class StageConfigure:
     def __post_init__(self) -> None:
         require(is_endpoint(self.next_endpoint), "next_endpoint must be a zmq endpoint (tcp://host:port)")
         require(self.next_key == "" or _is_z85(self.next_key), "next_key must be a Z85 public key or empty")
-        require(is_int(self.stage_count) and 1 <= self.stage_count <= MAX_STAGES,
-                f"stage_count must be in 1..{MAX_STAGES}")
-        require(is_int(self.stage_index) and 0 <= self.stage_index < self.stage_count,
+        require(1 <= self.stage_count <= MAX_STAGES, f"stage_count must be in 1..{MAX_STAGES}")
+        require(0 <= self.stage_index < self.stage_count,
                 "stage_index must be in 0..stage_count-1")
         require(is_text(self.name, MAX_NAME_CHARS, allow_empty=False), "name must be a short non-empty string")
 
 
 @register
-@dataclass(frozen=True)
-class StagePing:
+class StagePing(Message):
     """Coordinator -> worker: health check; answered with a StagePong."""
 
     KIND: ClassVar[str] = "pipeline_ping"
     nonce: int  # echoed in the pong, to match answers with questions
 
     def __post_init__(self) -> None:
-        require(is_int(self.nonce) and 0 <= self.nonce <= MAX_SEQ, "nonce must be a non-negative integer")
+        require(0 <= self.nonce <= MAX_SEQ, "nonce must be a non-negative integer")
 
 
 @register
-@dataclass(frozen=True)
-class StagePong:
+class StagePong(Message):
     """Worker -> coordinator: alive, and how busy."""
 
     KIND: ClassVar[str] = "pipeline_pong"
@@ -131,20 +126,18 @@ class StagePong:
     errors: int  # inputs answered with an ErrorReply since start
 
     def __post_init__(self) -> None:
-        require(is_int(self.nonce) and 0 <= self.nonce <= MAX_SEQ, "bad nonce")
+        require(0 <= self.nonce <= MAX_SEQ, "bad nonce")
         require(is_text(self.name, MAX_NAME_CHARS), "bad name")
         for f in ("pid", "start", "end", "streams", "queue_depth", "steps", "errors"):
-            require(is_int(getattr(self, f)) and 0 <= getattr(self, f) <= MAX_SEQ, f"bad {f}")
+            require(0 <= getattr(self, f) <= MAX_SEQ, f"bad {f}")
         require(self.start < self.end, "start must be below end")
-        require(isinstance(self.configured, bool), "configured must be a bool")
         for f in ("compute_ms_last", "compute_ms_mean"):
-            require(is_num(getattr(self, f)) and 0.0 <= getattr(self, f) <= MAX_MS, f"bad {f}")
+            require(in_range(getattr(self, f), 0.0, MAX_MS), f"bad {f}")
             set_float(self, f)
 
 
 @register
-@dataclass(frozen=True)
-class StageStep:
+class StageStep(Message):
     """One chunk of one stream, travelling the ring (+ one tensor frame).
 
     Each stage runs it on the stream's own InferRequest (its KV state). It
@@ -170,17 +163,14 @@ class StageStep:
 
     def __post_init__(self) -> None:
         require(_stream_id(self.stream_id), "stream_id must be a short non-empty string")
-        require(is_int(self.seq) and 0 <= self.seq <= MAX_SEQ, "seq must be a non-negative integer")
-        require(is_int(self.past) and 0 <= self.past <= MAX_POSITION, f"past must be in 0..{MAX_POSITION}")
-        for f in ("reset", "want_token", "want_logits", "compact", "want_all"):
-            require(isinstance(getattr(self, f), bool), f"{f} must be a bool")
+        require(0 <= self.seq <= MAX_SEQ, "seq must be a non-negative integer")
+        require(0 <= self.past <= MAX_POSITION, f"past must be in 0..{MAX_POSITION}")
         require(not self.reset or self.past == 0, "a reset step starts at past 0")
         require(not self.want_logits or self.want_token, "want_logits needs want_token")
         require(not self.want_all or self.want_token, "want_all needs want_token")
         require(_ms_tuple(self.stage_ms), "stage_ms must be at most 256 non-negative numbers")
-        object.__setattr__(self, "stage_ms", tuple(float(x) for x in self.stage_ms))
-        require(self.position is None or (is_int(self.position) and 0 <= self.position <= self.past),
-                "position must be nil or in 0..past")
+        float_tuple(self, "stage_ms")
+        require(self.position is None or 0 <= self.position <= self.past, "position must be nil or in 0..past")
         require(_ranges(self.hide, self.past),
                 f"hide must be at most {MAX_HIDE_RANGES} ascending, disjoint [start, end) pairs within 0..past")
         hidden = sum(self.hide[i + 1] - self.hide[i] for i in range(0, len(self.hide), 2))
@@ -195,10 +185,9 @@ class StageStep:
         return self.past if self.position is None else self.position
 
 
-def _ranges(v: object, past: int) -> bool:
+def _ranges(v: tuple[int, ...], past: int) -> bool:
     """Flattened ascending disjoint [start, end) pairs with 0 <= start < end <= past."""
-    if not (isinstance(v, tuple) and len(v) % 2 == 0 and len(v) <= 2 * MAX_HIDE_RANGES
-            and all(is_int(x) for x in v)):
+    if not (len(v) % 2 == 0 and len(v) <= 2 * MAX_HIDE_RANGES):
         return False
     prev = 0
     for i in range(0, len(v), 2):
@@ -210,8 +199,7 @@ def _ranges(v: object, past: int) -> bool:
 
 
 @register
-@dataclass(frozen=True)
-class StageResult:
+class StageResult(Message):
     """Last stage -> coordinator: a step is done (+ a logits frame when asked)."""
 
     KIND: ClassVar[str] = "pipeline_result"
@@ -223,20 +211,17 @@ class StageResult:
 
     def __post_init__(self) -> None:
         require(_stream_id(self.stream_id), "bad stream_id")
-        require(is_int(self.seq) and 0 <= self.seq <= MAX_SEQ, "bad seq")
-        require(self.token is None or (is_int(self.token) and 0 <= self.token <= MAX_POSITION),
-                "token must be a non-negative integer or nil")
-        require(isinstance(self.tokens, tuple) and len(self.tokens) <= MAX_STEP_TOKENS
-                and all(is_int(t) and 0 <= t <= MAX_POSITION for t in self.tokens),
+        require(0 <= self.seq <= MAX_SEQ, "bad seq")
+        require(self.token is None or 0 <= self.token <= MAX_POSITION, "token must be a non-negative integer or nil")
+        require(len(self.tokens) <= MAX_STEP_TOKENS and all(0 <= t <= MAX_POSITION for t in self.tokens),
                 f"tokens must be at most {MAX_STEP_TOKENS} non-negative integers")
         require(not self.tokens or self.token == self.tokens[-1], "token must be the last of tokens")
         require(_ms_tuple(self.stage_ms), "bad stage_ms")
-        object.__setattr__(self, "stage_ms", tuple(float(x) for x in self.stage_ms))
+        float_tuple(self, "stage_ms")
 
 
 @register
-@dataclass(frozen=True)
-class StageFree:
+class StageFree(Message):
     """Coordinator -> worker: drop these streams' state and queued steps
     (cancel, finish). Steps of a freed stream that arrive later are dropped."""
 
@@ -244,14 +229,12 @@ class StageFree:
     stream_ids: tuple[str, ...]  # streams to free
 
     def __post_init__(self) -> None:
-        require(isinstance(self.stream_ids, tuple) and len(self.stream_ids) <= MAX_FREE
-                and all(_stream_id(s) for s in self.stream_ids),
+        require(len(self.stream_ids) <= MAX_FREE and all(_stream_id(s) for s in self.stream_ids),
                 f"stream_ids must be at most {MAX_FREE} stream ids")
 
 
 @register
-@dataclass(frozen=True)
-class StageShutdown:
+class StageShutdown(Message):
     """Coordinator -> worker: exit cleanly (the runner still kills stragglers)."""
 
     KIND: ClassVar[str] = "pipeline_shutdown"

@@ -11,25 +11,26 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 from engine.protocol._checks import is_text as _is_text
 from engine.protocol._checks import require as _require
+from engine.protocol.base import Message
 
-TOOL_CHOICES = ("auto", "none", "required")  # or a tool's name (forced_tool)
+ToolChoice = Literal["auto", "none", "required"]  # a forced call names its tool in forced_tool
+TOOL_CHOICES: tuple[str, ...] = get_args(ToolChoice)
 MAX_TOOLS = 128
 MAX_SCHEMA_CHARS = 100_000  # one JSON schema, as text
 MAX_TOOL_CALLS = 64  # tool calls in one assistant message
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 
-def _is_json_object(text: object) -> bool:
+def _is_json_object(text: str) -> bool:
     if not _is_text(text, MAX_SCHEMA_CHARS, allow_empty=False):
         return False
     try:
-        return isinstance(json.loads(text), dict)  # type: ignore[arg-type]
-    except ValueError:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):  # RecursionError: a schema nested thousands deep
         return False
 
 
@@ -37,8 +38,7 @@ def is_tool_name(v: object) -> bool:
     return isinstance(v, str) and TOOL_NAME.match(v) is not None
 
 
-@dataclass(frozen=True)
-class ToolSpec:
+class ToolSpec(Message):
     """A function the model may call (OpenAI's tools[i].function)."""
 
     KIND: ClassVar[str] = "tool_spec"
@@ -52,8 +52,7 @@ class ToolSpec:
         _require(_is_json_object(self.parameters), f"tool {self.name}: parameters must be a JSON object")
 
 
-@dataclass(frozen=True)
-class ToolCall:
+class ToolCall(Message):
     """A call the model made (or made earlier, echoed back in the conversation)."""
 
     KIND: ClassVar[str] = "tool_call"
@@ -70,12 +69,10 @@ class ToolCall:
 def check_structure(tools: tuple[ToolSpec, ...], tool_choice: str, forced_tool: str | None,
                     json_schema: str | None) -> None:
     """The rules between a request's structure fields (GenerateRequest calls this)."""
-    _require(isinstance(tools, tuple) and len(tools) <= MAX_TOOLS
-             and all(isinstance(t, ToolSpec) for t in tools), f"tools must be at most {MAX_TOOLS} ToolSpec values")
+    _require(len(tools) <= MAX_TOOLS, f"tools must be at most {MAX_TOOLS} ToolSpec values")
     names = [t.name for t in tools]
     _require(len(set(names)) == len(names), "two tools have the same name")
-    _require(isinstance(tool_choice, str) and tool_choice in TOOL_CHOICES,
-             f"tool_choice must be one of {TOOL_CHOICES}")
+    _require(tool_choice in TOOL_CHOICES, f"tool_choice must be one of {TOOL_CHOICES}")
     _require(forced_tool is None or forced_tool in names, "the forced tool is not among the tools")
     _require(forced_tool is None or tool_choice == "required", "a forced tool goes with tool_choice 'required'")
     _require(tool_choice != "required" or tools, "tool_choice 'required' needs at least one tool")

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import logging
 import os
@@ -55,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -300,7 +300,7 @@ class ShardWorker:
         self.stats.compute_ms_last = ms
         ms_so_far = (*step.stage_ms, ms)
         if not self.info.last:
-            fwd = dataclasses.replace(step, stage_ms=ms_so_far)
+            fwd = msgspec.structs.replace(step, stage_ms=ms_so_far)
             self._downstream(fwd, [out["hidden_states_out"]])
             return
         if step.want_all:  # a speculative verify step: every position

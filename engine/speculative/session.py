@@ -12,10 +12,10 @@ as one step with every position's output, then hides the last
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Sequence
 
+import msgspec
 import numpy as np
 
 from engine.protocol.messages import TokenEvent
@@ -120,5 +120,5 @@ def emit_tokens(gen: Generation, tokens: Sequence[int]) -> TokenEvent:
         text += event.text
         kept.extend(event.token_ids)
         if event.finish_reason is not None:
-            return dataclasses.replace(event, text=text, token_ids=tuple(kept))
+            return msgspec.structs.replace(event, text=text, token_ids=tuple(kept))
     return TokenEvent(gen.request_id, text=text, token_ids=tuple(kept))

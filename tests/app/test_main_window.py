@@ -10,7 +10,6 @@ and finally a restart that finds the conversations again.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import json
@@ -22,6 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 from PySide6.QtCore import QCoreApplication, QDeadlineTimer, QElapsedTimer, QEventLoop, QPoint, Qt, QTimer
 from PySide6.QtTest import QTest
@@ -134,7 +134,7 @@ def _long_answers(panel, tokens: int) -> None:
     once on some CPUs (f32 vs bf16 kernels), so a test that needs a long answer turns
     EOS off instead of hoping the model keeps talking."""
     panel.max_tokens.setValue(tokens)
-    panel.sampling = dataclasses.replace(panel.sampling, ignore_eos=True)
+    panel.sampling = msgspec.structs.replace(panel.sampling, ignore_eos=True)
 
 
 def test_answer_streams_is_saved_and_never_stalls_the_gui(win: MainWindow, panel, qtbot) -> None:

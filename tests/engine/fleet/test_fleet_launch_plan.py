@@ -9,9 +9,9 @@ planning between the two is the real code on the real demo model's profile.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
+import msgspec
 import pytest
 
 from engine.fleet.discovery import Peer
@@ -39,7 +39,7 @@ def _peer(name: str, ram: int, devices=("CPU", "GPU.0")) -> Peer:
 
 
 def _status(peer: Peer, ram: int | None = None, sharing: bool = True, reason: str = "") -> StatusReply:
-    info = peer.info if ram is None else dataclasses.replace(peer.info, ram_available=ram)
+    info = peer.info if ram is None else msgspec.structs.replace(peer.info, ram_available=ram)
     return StatusReply("s", info, sharing, reason, ())
 
 

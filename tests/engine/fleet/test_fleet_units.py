@@ -9,6 +9,8 @@ import hashlib
 import os
 import stat
 
+import msgpack
+import msgspec
 import pytest
 
 from engine.fleet.discovery import ManualPeers, parse_hostport
@@ -40,9 +42,13 @@ def test_control_messages_round_trip_and_validate():
     assert decode(encode(info)) == info
     shard = ShardInfo("m/L0-8", "0" * 64, 10, 10, "running", 42, None, "CPU")
     assert decode(encode(shard)) == shard
-    for bad in (dict(node_id="x"), dict(public_key="short"), dict(control_port=0), dict(idle=1)):
+    for bad in (dict(node_id="x"), dict(public_key="short"), dict(control_port=0)):
         with pytest.raises(ProtocolError):
             _info(**bad)
+    env = msgpack.unpackb(encode(info))
+    env["b"]["idle"] = 1  # a value of the wrong type is the wire's to refuse (and mypy's in code)
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(env))
     with pytest.raises(ProtocolError):
         LoadRequest("r", "0" * 64, "CPU; rm -rf /", 0)
     with pytest.raises(ProtocolError):
@@ -57,7 +63,7 @@ def test_txt_round_trip_and_strictness():
     assert all(len(k) + len(v) + 1 <= 255 for k, v in txt.items())
     assert sum(len(k) + len(v) + 2 for k, v in txt.items()) < 1300  # fits one packet
     back = from_txt({k.encode(): v.encode() for k, v in txt.items()})
-    assert back == dataclasses.replace(info, idle_since=float(int(info.idle_since)))
+    assert back == msgspec.structs.replace(info, idle_since=float(int(info.idle_since)))
     txt["cp"] = "99999999"
     with pytest.raises(ProtocolError):
         from_txt({k.encode(): v.encode() for k, v in txt.items()})

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import msgspec
 import pytest
 from hypothesis import given
 from protocol_strategies import FAST, all_messages, pack, wire
@@ -25,12 +25,14 @@ from engine.protocol import (
     SamplingParams,
     Timings,
     TokenEvent,
+    TokenLogprob,
     Usage,
     decode,
     encode,
     register,
     registered,
 )
+from engine.protocol.base import Message
 
 # ---------------------------------------------------------------- round trips
 
@@ -38,8 +40,8 @@ from engine.protocol import (
 def _same_types(a: object, b: object) -> None:
     """Equal is not enough: 1 == 1.0 and (1,) != [1] hide type drift."""
     assert type(a) is type(b)
-    if dataclasses.is_dataclass(a):
-        for f in dataclasses.fields(a):
+    if isinstance(a, msgspec.Struct):
+        for f in msgspec.structs.fields(a):
             _same_types(getattr(a, f.name), getattr(b, f.name))
     elif isinstance(a, tuple):
         for x, y in zip(a, b, strict=True):
@@ -89,15 +91,16 @@ def test_import_is_light() -> None:
 
 # ---------------------------------------------------------------- message rules
 
+# The rules types cannot say. A message breaking one cannot be built -- or, for the
+# classes built for every token (TokenEvent, TokenLogprob), cannot be sent: their rules
+# run where they cross the wire. A value of the wrong type is the wire's to refuse
+# (BAD_WIRE below: msgspec checks every field's type on decode) and mypy's in code.
 INVALID_MESSAGES = {
     "role": lambda: ChatMessage("robot", "x"),
     "role_type": lambda: ChatMessage(1, "x"),
-    "content_type": lambda: ChatMessage("user", b"x"),
     "content_long": lambda: ChatMessage("user", "x" * 1_000_001),
     "max_tokens_zero": lambda: SamplingParams(max_tokens=0),
     "max_tokens_big": lambda: SamplingParams(max_tokens=1_000_001),
-    "max_tokens_bool": lambda: SamplingParams(max_tokens=True),
-    "max_tokens_float": lambda: SamplingParams(max_tokens=5.0),
     "temperature_neg": lambda: SamplingParams(temperature=-0.1),
     "temperature_nan": lambda: SamplingParams(temperature=math.nan),
     "temperature_big": lambda: SamplingParams(temperature=100.5),
@@ -109,7 +112,6 @@ INVALID_MESSAGES = {
     "rep_inf": lambda: SamplingParams(repetition_penalty=math.inf),
     "seed_neg": lambda: SamplingParams(seed=-1),
     "seed_big": lambda: SamplingParams(seed=2**63),
-    "stop_list": lambda: SamplingParams(stop=["x"]),
     "stop_empty_str": lambda: SamplingParams(stop=("",)),
     "stop_too_many": lambda: SamplingParams(stop=tuple("abcdefghijklmnopq")),
     "stop_too_long": lambda: SamplingParams(stop=("x" * 257,)),
@@ -117,13 +119,9 @@ INVALID_MESSAGES = {
         "r", messages=(ChatMessage("user", "x"),), prompt="x"),
     "neither_messages_nor_prompt": lambda: GenerateRequest("r"),
     "empty_messages": lambda: GenerateRequest("r", messages=()),
-    "messages_list": lambda: GenerateRequest("r", messages=[ChatMessage("user", "x")]),
-    "messages_not_chat": lambda: GenerateRequest("r", messages=("hi",)),
     "request_id_empty": lambda: GenerateRequest("", prompt="x"),
     "request_id_long": lambda: GenerateRequest("r" * 129, prompt="x"),
-    "sampling_type": lambda: GenerateRequest("r", prompt="x", sampling={}),
     "usage_neg": lambda: Usage(-1, 0),
-    "usage_bool": lambda: Usage(True, 0),
     "timings_neg": lambda: Timings(0.0, -1.0, 0.0, 0.0),
     "timings_nan": lambda: Timings(0.0, 0.0, math.nan, 0.0),
     "event_finish": lambda: TokenEvent("r", finish_reason="done"),
@@ -133,38 +131,53 @@ INVALID_MESSAGES = {
     "event_usage_not_final": lambda: TokenEvent("r", usage=Usage(1, 1)),
     "event_timings_not_final": lambda: TokenEvent("r", timings=Timings(0, 0, 0, 0)),
     "event_token_neg": lambda: TokenEvent("r", token_ids=(-1,)),
-    "event_token_bool": lambda: TokenEvent("r", token_ids=(True,)),
-    "event_token_list": lambda: TokenEvent("r", token_ids=[1]),
     "event_token_big": lambda: TokenEvent("r", token_ids=(2**31,)),
-    "event_usage_type": lambda: TokenEvent("r", finish_reason="stop", usage=(1, 2)),
+    "event_request_id_empty": lambda: TokenEvent("", text="x"),
+    "event_error_code_without_error": lambda: TokenEvent("r", finish_reason="stop", error_code="engine"),
+    "event_logprobs_mismatch": lambda: TokenEvent("r", token_ids=(1,), logprobs=(TokenLogprob(2, "b", -0.5),)),
+    "event_logprob_positive": lambda: TokenEvent("r", token_ids=(1,), logprobs=(TokenLogprob(1, "a", 0.5),)),
+    "logprob_nan": lambda: TokenLogprob(1, "a", math.nan),
+    "logprob_top_lengths": lambda: TokenLogprob(1, "a", -0.1, top_ids=(1, 2), top_texts=("a",),
+                                                top_logprobs=(-0.1, -0.2)),
     "reply_code": lambda: ErrorReply(None, "nope", "x"),
-    "reply_message_type": lambda: ErrorReply(None, "internal", None),
     "reply_request_id": lambda: ErrorReply("", "internal", "x"),
     "reply_refused_without_refusal": lambda: ErrorReply("r", "refused", "x"),
     "reply_refusal_with_other_code": lambda: ErrorReply("r", "overloaded", "x", Refusal("cpu_busy")),
-    "reply_refusal_type": lambda: ErrorReply("r", "refused", "x", {"reason": "ram"}),
     "refusal_reason_unknown": lambda: Refusal("tired"),
     "refusal_reason_type": lambda: Refusal(None),
     "refusal_need_negative": lambda: Refusal("ram", -1, 0),
     "refusal_limit_negative": lambda: Refusal("disk", 10, -1),
-    "refusal_need_bool": lambda: Refusal("policy_cap", True, 0),
-    "refusal_need_float": lambda: Refusal("policy_cap", 1.0, 0),
     "refusal_need_over_64_bits": lambda: Refusal("disk", 2**63, 0),
     "refusal_bytes_on_a_reason_without_bytes": lambda: Refusal("device", 5, 0),
 }
 
 
 @pytest.mark.parametrize("make", INVALID_MESSAGES.values(), ids=INVALID_MESSAGES.keys())
-def test_invalid_message_cannot_be_built(make) -> None:
+def test_invalid_message_cannot_be_built_or_sent(make) -> None:
     with pytest.raises(ProtocolError):
-        make()
+        encode(make())
 
 
 def test_valid_edges_are_accepted() -> None:
-    SamplingParams(max_tokens=1, top_p=1.0, temperature=100, repetition_penalty=100,
-                   seed=2**63 - 1, stop=tuple("abcdefghijklmnop"))
-    TokenEvent("r", finish_reason="error", error="boom")
-    TokenEvent("r", finish_reason="cancelled")
+    for msg in (SamplingParams(max_tokens=1, top_p=1.0, temperature=100, repetition_penalty=100,
+                               seed=2**63 - 1, stop=tuple("abcdefghijklmnop")),
+                TokenEvent("r", finish_reason="error", error="boom"),
+                TokenEvent("r", finish_reason="cancelled"),
+                TokenEvent("r", token_ids=(1,), logprobs=(TokenLogprob(1, "a", -0.5, (1, 2), ("a", "b"),
+                                                                       (-0.5, -2.0)),))):
+        assert decode(encode(msg)) == msg
+
+
+def test_per_token_events_check_their_rules_on_the_wire_only() -> None:
+    """An engine builds a TokenEvent for every token: building one checks nothing (an
+    error still gets its code); encoding or decoding one checks every rule."""
+    bad = TokenEvent("", token_ids=(-1,))  # built: nothing checked on the hot path
+    with pytest.raises(ProtocolError) as info:
+        encode(bad)
+    assert str(info.value).startswith("token_event: ") and info.value.code == "malformed"
+    assert TokenEvent("r", finish_reason="error", error="boom").error_code == "engine"
+    with pytest.raises(ProtocolError):
+        bad.validate()
 
 
 # ---------------------------------------------------------------- wire rules
@@ -222,6 +235,8 @@ BAD_WIRE = {
     "extra_field": (_req, _set(["b", "priority"], 1), "malformed"),
     "nested_missing": (_req, _drop(["b", "sampling", "seed"]), "malformed"),
     "nested_extra": (_req, _set(["b", "sampling", "min_p"], 0.1), "malformed"),
+    "nested_in_array_missing": (_req, _drop(["b", "messages", 0, "tool_call_id"]), "malformed"),
+    "nested_in_array_extra": (_req, _set(["b", "messages", 0, "name"], "bob"), "malformed"),
     "nested_not_map": (_req, _set(["b", "sampling"], 5), "malformed"),
     "bool_for_int": (_req, _set(["b", "sampling", "max_tokens"], True), "malformed"),
     "float_for_int": (_req, _set(["b", "sampling", "max_tokens"], 5.0), "malformed"),
@@ -255,6 +270,18 @@ BAD_WIRE = {
     "refusal_field_extra": (_refused, _set(["b", "refusal", "used_bytes"], 1), "malformed"),
     "refusal_nil_when_refused": (_refused, _set(["b", "refusal"], None), "malformed"),
     "refusal_with_other_code": (_refused, _set(["b", "code"], "overloaded"), "malformed"),
+    # values of the wrong type (built in code, these are mypy's to catch)
+    "role_int": (_req, _set(["b", "messages", 0, "role"], 1), "malformed"),
+    "content_bin": (_req, _set(["b", "messages", 0, "content"], b"x"), "malformed"),
+    "messages_item_str": (_req, _set(["b", "messages"], ["hi"]), "malformed"),
+    "usage_bool": (_event, _set(["b", "usage", "prompt_tokens"], True), "malformed"),
+    "event_token_bool": (_event, _set(["b", "token_ids"], [True, 2]), "malformed"),
+    "event_token_float": (_event, _set(["b", "token_ids"], [1.0, 2]), "malformed"),
+    "reply_message_nil": (_refused, _set(["b", "message"], None), "malformed"),
+    "refusal_str": (_refused, _set(["b", "refusal"], "ram"), "malformed"),
+    "refusal_reason_nil": (_refused, _set(["b", "refusal", "reason"], None), "malformed"),
+    "refusal_need_bool": (_refused, _set(["b", "refusal", "need_bytes"], True), "malformed"),
+    "refusal_need_over_64_bits": (_refused, _set(["b", "refusal", "need_bytes"], 2**64 - 1), "malformed"),
 }
 
 
@@ -364,15 +391,13 @@ def test_a_refusal_travels_as_fields() -> None:
 # ---------------------------------------------------------------- registry
 
 
-@dataclass(frozen=True)
-class _Inner:
+class _Inner(Message):
     KIND: ClassVar[str] = "test_inner"
     x: float  # any float
 
 
 @register
-@dataclass(frozen=True)
-class _Probe:
+class _Probe(Message):
     KIND: ClassVar[str] = "test_probe"
     blob: bytes  # raw bytes travel as msgpack bin
     pair: tuple[int, str]  # fixed-length tuple
@@ -396,30 +421,45 @@ def test_generic_converter_handles_other_modules_types() -> None:
             decode(pack(env))
 
 
+class _Lenient(msgspec.Struct, frozen=True):  # would ignore unknown fields
+    KIND: ClassVar[str] = "test_lenient"
+    x: int
+
+
+class _NestedLenient(Message):  # strict itself, but not what it holds
+    KIND: ClassVar[str] = "test_nested_lenient"
+    x: _Lenient
+
+
 def test_register_rejects_bad_classes() -> None:
-    @dataclass(frozen=True)
-    class Dup:
+    class Dup(Message):
         KIND: ClassVar[str] = "chat_message"
         x: int
 
-    @dataclass
-    class Mutable:
+    class Mutable(msgspec.Struct, forbid_unknown_fields=True):
         KIND: ClassVar[str] = "test_mutable"
         x: int
 
-    @dataclass(frozen=True)
-    class NoKind:
+    class NoKind(Message):
         x: int
 
-    @dataclass(frozen=True)
-    class DictField:
+    class DictField(Message):  # mutable, unhashable: no wire form
         KIND: ClassVar[str] = "test_dict_field"
         x: dict
 
-    for cls in (Dup, Mutable, NoKind, DictField, int):
+    class Positional(Message, array_like=True):  # an array, not a map of named fields
+        KIND: ClassVar[str] = "test_positional"
+        x: int
+
+    @dataclass(frozen=True)
+    class NotAStruct:
+        KIND: ClassVar[str] = "test_not_a_struct"
+        x: int
+
+    for cls in (Dup, Mutable, _Lenient, NoKind, DictField, Positional, _NestedLenient, NotAStruct, int):
         with pytest.raises(TypeError):
             register(cls)
-    assert "test_dict_field" not in registered()
+    assert not {"test_dict_field", "test_lenient", "test_positional", "test_nested_lenient"} & set(registered())
     assert register(ChatMessage) is ChatMessage  # idempotent
 
 

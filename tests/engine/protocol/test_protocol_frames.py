@@ -193,11 +193,11 @@ def test_tensor_size_limit_on_decode() -> None:
 def test_header_alone_decodes_and_validates() -> None:
     spec = TensorSpec("int64", (2, 3), 48)
     assert decode(encode(FramedHeader(encode(Usage(1, 2)), (spec,)))).tensors == (spec,)
-    for bad in [("int64", (2, 3), 47), ("float64", (1,), 8), ("int32", [1], 4),
-                ("int32", (True,), 4), ("int32", (1,) * 17, 4)]:
+    for bad in [("int64", (2, 3), 47), ("float64", (1,), 8), ("int32", (1,) * 17, 4)]:
         with pytest.raises(ProtocolError):
             TensorSpec(*bad)
-    env = msgpack.unpackb(encode(spec))
-    env["b"]["shape"] = [2, 3.0]
-    with pytest.raises(ProtocolError):
-        decode(pack(env))
+    for shape in ([2, 3.0], [True, 2, 3], "23", [[2, 3]]):  # wrong types: the wire's to refuse
+        env = msgpack.unpackb(encode(spec))
+        env["b"]["shape"] = shape
+        with pytest.raises(ProtocolError):
+            decode(pack(env))

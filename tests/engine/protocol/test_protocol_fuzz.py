@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,7 +21,6 @@ from engine.protocol import (
     encode_frames,
     registered,
 )
-from engine.protocol.codec import _fields
 
 
 def _decode_or_reject(data: bytes) -> None:
@@ -50,7 +50,7 @@ def envelopes(draw: st.DrawFn) -> dict:
     """Right envelope, right kind, right field names, random values: this
     reaches deep into the type converter and the validators."""
     kind = draw(st.sampled_from(sorted(registered())))
-    names = [name for name, _ in _fields(registered()[kind])]
+    names = [f.encode_name for f in msgspec.structs.fields(registered()[kind])]
     body = {name: draw(wire_objects) for name in names if draw(st.integers(0, 9))}
     return {"v": draw(st.just(PROTOCOL_VERSION) | st.integers(-2, PROTOCOL_VERSION + 1)), "k": kind, "b": body}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -64,10 +65,15 @@ def test_stage_step_speculative_fields_round_trip_and_validate():
     assert got == s and got.logical == 6
     assert StageStep("s1", 0, 4, False, True, False).logical == 4  # the old form: position = past
     bad = [dict(hide=(5, 3)), dict(hide=(1, 2, 2, 11)), dict(hide=(1,)), dict(position=9, hide=(0, 2)),
-           dict(position=-1), dict(hide=(True, 2)), dict(compact=1)]
+           dict(position=-1)]
     for kw in bad:
         with pytest.raises(ProtocolError):
             StageStep("s1", 3, 10, False, True, False, **kw)
+    for field, value in (("hide", [True, 2]), ("compact", 1)):  # wrong types: the wire's to refuse
+        env = msgpack.unpackb(encode(StageStep("s1", 3, 10, False, True, False)))
+        env["b"][field] = value
+        with pytest.raises(ProtocolError):
+            decode(msgpack.packb(env))
     with pytest.raises(ProtocolError):
         StageStep("s1", 0, 0, True, True, False, compact=True)
     with pytest.raises(ProtocolError):
@@ -81,10 +87,14 @@ def test_stage_step_speculative_fields_round_trip_and_validate():
 def test_request_field_validates_and_resolves():
     r = GenerateRequest("a", prompt="x", speculative=SpeculativeParams("lookup", 4))
     assert decode(encode(r)) == r
-    for kw in (dict(mode="fast"), dict(mode="draft", k=0), dict(mode="draft", k=17), dict(mode="lookup", k=True),
-               dict(mode="lookup", adaptive="yes")):
+    for kw in (dict(mode="fast"), dict(mode="draft", k=0), dict(mode="draft", k=17)):
         with pytest.raises(ProtocolError):
             SpeculativeParams(**kw)
+    for field, value in (("k", True), ("adaptive", "yes")):  # wrong types: the wire's to refuse
+        env = msgpack.unpackb(encode(r))
+        env["b"]["speculative"][field] = value
+        with pytest.raises(ProtocolError):
+            decode(msgpack.packb(env))
     cfg = SpecConfig(mode="draft", k=3)
     assert cfg.resolve(None).mode == "draft" and cfg.resolve(None).k == 3
     own = cfg.resolve(SpeculativeParams("lookup", 12, adaptive=False))
