@@ -2,7 +2,6 @@
 
   mdns.py       advertise/browse `_flotilla._tcp.local.` (async core + sync wrapper)
   discovery.py  the small Discovery interface, Peer, ManualPeers (host:port list)
-  security.py   CurveZMQ keys, pairing codes, allow-list, ZAP authenticator
   identity.py   stable node id, repaired when an install is cloned
   idle.py       how long the local user has been away, per platform
   policy.py     when the owner lets the PC be used (idle minutes, AC, RAM, devices)
@@ -12,7 +11,6 @@
   agent_config.py   what an agent is started with (AgentConfig)
   agent_process.py  the agent as a process: log file, run_agent, stop signals, stdin lifeline
   client.py     the controller's side of the control plane
-  curve_data.py CURVE on the pipeline's data plane (worker/coordinator keys, ZAP allow-lists)
   bundle.py     one deterministic tar per shard folder, for the shard store; safe unpack
   launch.py     the fleet launcher: peers -> plan -> shards -> workers -> PipelineEngine
                 (launch_fleet; its docstring lists the modules below)
@@ -25,6 +23,9 @@
   ring_stage.py       one stage of the ring and its worker's handle
   ring_provider.py    FleetRingProvider: recovery's re-plan onto a spare agent or this PC
   demo_mode.py  the gate that lets `flotilla demo` pair its own agents unattended
+
+CurveZMQ keys, pairing codes, the allow-list and CURVE on the data plane are
+engine/transport/ (security.py, curve_data.py), which the pipeline uses too.
 
 docs/fleet.md explains discovery, pairing, the threat model and the ports.
 """

@@ -92,7 +92,7 @@ def install_stop_signals(stop: Callable[[], None]) -> Callable[[], None]:
 def watch_stdin(stop: Callable[[], None], fd: int | None = None) -> threading.Thread:
     """stop() once stdin ends (a daemon thread reads it): the process that started us closed
     its end of the pipe -- how the tray and `flotilla demo` ask for a clean stop on every OS
-    (engine/client.py AgentHandle.stop) -- or it died, which closes it too.
+    (engine/client/agent.py AgentHandle.stop) -- or it died, which closes it too.
 
     It reads the descriptor (os.read), never sys.stdin: a thread blocked in a buffered read
     holds that object's lock, and a child forked meanwhile (OpenVINO's telemetry forks one)

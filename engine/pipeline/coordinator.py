@@ -277,12 +277,8 @@ class PipelineEngine(CoordinatorWire, CoordinatorStreams, InboxEngine):
 
 
 def _config_vocab(model_dir: Path) -> int:
-    """vocab_size from config.json (the logits width; may exceed the tokenizer's)."""
-    import json
+    """vocab_size from config.json (the logits width; may exceed the tokenizer's); 0 if unknown."""
+    from engine.models.config_file import try_text_config
 
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return 0
-    v = cfg.get("text_config", cfg).get("vocab_size")
+    v = try_text_config(model_dir).get("vocab_size")
     return v if isinstance(v, int) and v > 0 else 0
