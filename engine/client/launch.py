@@ -125,7 +125,7 @@ def ring_snapshot(engine: Engine | None) -> RingSnapshot | None:
                              ms / steps, alive))
     hops = max(1, len(stages))
     link_ms = max(0.0, (stats.ring_ms - sum(stats.stage_ms)) / steps / hops) if stats.steps else 0.0
-    return RingSnapshot(tuple(out), link_ms, stats.tokens, getattr(engine, "_broken", None))
+    return RingSnapshot(tuple(out), link_ms, stats.tokens, getattr(engine, "broken", None))
 
 
 def stage_pids(engine: Engine | None) -> list[int]:

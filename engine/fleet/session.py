@@ -380,7 +380,7 @@ def _break_engine(engine: Any, reason: str) -> None:
     brk = getattr(engine, "_break", None)
     if brk is None:
         return
-    if not getattr(engine, "_broken", None):
+    if not getattr(engine, "broken", None):
         brk(reason)
     wake = getattr(engine, "_wake", None)
     if wake is not None:

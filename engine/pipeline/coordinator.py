@@ -126,7 +126,7 @@ class PipelineEngine(CoordinatorWire, CoordinatorStreams, InboxEngine):
         # speculation defaults (speculative: a SpecConfig); a request's field overrides them
         self.spec = RingSpeculation(speculative or SpecConfig(), model_id, self.vocab_size, config.device)
         self.stats = _Stats(stage_ms=[0.0] * len(self.stages))
-        self._broken: str | None = None  # why the ring is unusable
+        self.broken: str | None = None  # why the ring is unusable
         self._ids = itertools.count()
         self._nonce = itertools.count(1)
         self._ctx = zmq.Context()
@@ -180,18 +180,18 @@ class PipelineEngine(CoordinatorWire, CoordinatorStreams, InboxEngine):
 
     # -- Engine hooks ------------------------------------------------------------
     def _start(self, request: GenerateRequest) -> None:
-        if self._broken:
-            raise EngineError(self._broken, "peer_lost")
+        if self.broken:
+            raise EngineError(self.broken, "peer_lost")
         super()._start(request)
-        self._wake()
+        self.wake()
 
     def cancel(self, request_id: str) -> None:
         super().cancel(request_id)
-        self._wake()
+        self.wake()
 
     def _shutdown(self) -> None:
         self._stop.set()
-        self._wake()
+        self.wake()
         self._stop_scheduler()
         self._close_sockets()
         self.spec.close()
@@ -202,7 +202,7 @@ class PipelineEngine(CoordinatorWire, CoordinatorStreams, InboxEngine):
         """Park at most this many finished streams from now on (0: none); the ones over it
         are freed on every stage before the next step goes out."""
         self._parked_want = max(0, int(streams))
-        self._wake()
+        self.wake()
 
     # -- the coordinator thread --------------------------------------------------
     def _run(self) -> None:
@@ -221,8 +221,8 @@ class PipelineEngine(CoordinatorWire, CoordinatorStreams, InboxEngine):
             try:
                 self._take_inbox(waiting, block=False)  # the poll below is the wait
                 self._drop_cancelled(waiting, active)
-                if self._broken:
-                    self._fail_all(waiting, active, self._broken)
+                if self.broken:
+                    self._fail_all(waiting, active, self.broken)
                 want, self._parked_want = self._parked_want, None
                 if want is not None:
                     self.parked.capacity = want

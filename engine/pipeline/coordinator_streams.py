@@ -77,7 +77,7 @@ class CoordinatorStreams:
         if f.spec is not None and f.spec.ready(gen):  # a speculative verify step
             step, ids = f.spec.build(f)
             f.in_flight, f.sent_at = ids.shape[1], time.perf_counter()
-            self._send(0, step, [ids])  # token ids [1, k+1]
+            self.send_to_stage(0, step, [ids])  # token ids [1, k+1]
             return
         prompt = gen.prompt_ids
         if gen.prefilled < len(prompt):
@@ -94,7 +94,7 @@ class CoordinatorStreams:
         if gen.t_start is None:
             gen.t_start = time.perf_counter()
         f.in_flight, f.sent_at = len(ids), time.perf_counter()
-        self._send(0, step, [np.array([ids], np.int64)])  # token ids [1, n]
+        self.send_to_stage(0, step, [np.array([ids], np.int64)])  # token ids [1, n]
 
     def _drain(self, sock: zmq.Socket, active: dict[str, _Flight], routed: bool) -> None:
         while True:
@@ -193,7 +193,7 @@ class CoordinatorStreams:
             except Exception:  # never let speculation bookkeeping keep a request from ending
                 log.exception("pipeline: closing the speculation of %s failed", f.stream_id)
         active.pop(f.stream_id, None)
-        if f.spec is None and event.finish_reason in ("stop", "length") and not self._broken:
+        if f.spec is None and event.finish_reason in ("stop", "length") and not self.broken:
             ids = (list(f.gen.prompt_ids) + list(f.gen.output_ids))[:f.past]
             self._to_free += self.parked.park(Parked(f.stream_id, f.seq, f.past, tuple(ids)))
         else:
@@ -201,13 +201,13 @@ class CoordinatorStreams:
         self._emit(event)
 
     def _flush_free(self) -> None:
-        if not self._to_free or self._broken:
+        if not self._to_free or self.broken:
             self._to_free = []
             return
         msg = StageFree(tuple(self._to_free))
         self._to_free = []
         for i in range(len(self.stages)):
-            self._send(i, msg)
+            self.send_to_stage(i, msg)
 
 
 def _one_line(e: BaseException) -> str:

@@ -59,7 +59,7 @@ class CoordinatorWire:
             nxt = self.stages[i + 1].endpoint if i + 1 < n else self.return_endpoint
             key = (self.stages[i + 1].server_key if i + 1 < n else
                    self.config.curve.public if self.config.curve is not None else "")
-            self._send(i, StageConfigure(nxt, i, n, f"stage {i}", next_key=key))
+            self.send_to_stage(i, StageConfigure(nxt, i, n, f"stage {i}", next_key=key))
         waiting = set(range(n))
         deadline = time.monotonic() + self.config.ready_timeout_s
         poller = zmq.Poller()
@@ -98,7 +98,7 @@ class CoordinatorWire:
                 self._zap.stop()  # before term(): its socket lives in this context
             self._ctx.term()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         with self._wake_lock:
             if self._wake_tx.closed:
                 return
@@ -138,33 +138,33 @@ class CoordinatorWire:
         if self.recovery.enabled:  # detection + re-plan + replay (engine/pipeline/recovery.py)
             self.recovery.tick()
             return
-        if self._broken:
+        if self.broken:
             return
         for link in self.stages:
             reason = self._exit_reason(link)
             if reason:
-                self._break(reason)
+                self.break_ring(reason)
                 return
         now = time.monotonic()
         for i, link in enumerate(self.stages):
             silent = now - self._last_pong[i]
             if silent > self.config.ping_timeout_s:
-                self._break(f"{link.label} stopped answering for {silent:.0f} s")
+                self.break_ring(f"{link.label} stopped answering for {silent:.0f} s")
                 return
 
     def _ping_all(self, now: float) -> None:
-        if self._broken:
+        if self.broken:
             return
         nonce = next(self._nonce)
         for i in range(len(self.stages)):
-            self._send(i, StagePing(nonce))
+            self.send_to_stage(i, StagePing(nonce))
 
-    def _break(self, reason: str) -> None:
+    def break_ring(self, reason: str) -> None:
         log.error("pipeline broken: %s", reason)
-        self._broken = reason
+        self.broken = reason
 
     # -- wire --------------------------------------------------------------------
-    def _send(self, i: int, msg: Any, tensors: list[np.ndarray] = ()) -> None:
+    def send_to_stage(self, i: int, msg: Any, tensors: list[np.ndarray] = ()) -> None:
         try:
             self.ctl[i].send_multipart(encode_frames(msg, list(tensors)), zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:

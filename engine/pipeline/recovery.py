@@ -129,8 +129,8 @@ class RingRecovery(RecoveryRewire, RecoveryReplay):
 
     def status(self) -> tuple[str, str]:
         """(state, detail) for Engine.load()."""
-        if self.engine._broken:
-            return "broken", self.engine._broken
+        if self.engine.broken:
+            return "broken", self.engine.broken
         if self.state == "replanning" or self.paused or self._replays:
             return "recovering", self._current.reason if self._current else ""
         return "ok", ""
@@ -147,14 +147,14 @@ class RingRecovery(RecoveryRewire, RecoveryReplay):
             fut.set_exception(IndexError(f"no stage {index} in a ring of {len(self.engine.stages)}"))
             return fut
         self._migrations.put((self.engine.stages[index], reason, fut))
-        self.engine._wake()
+        self.engine.wake()
         return fut
 
     # -- coordinator thread: detection -----------------------------------------
     def tick(self) -> None:
         """Called instead of the engine's own liveness check when recovery is enabled."""
         e = self.engine
-        if e._broken:
+        if e.broken:
             return
         now = time.monotonic()
         if self.state == "replanning":
@@ -270,7 +270,7 @@ class RingRecovery(RecoveryRewire, RecoveryReplay):
                 fut.set_result(list(provider.replan(loss)))
             except BaseException as ex:  # noqa: BLE001 - reported on the coordinator thread
                 fut.set_exception(ex)
-            e._wake()
+            e.wake()
 
         threading.Thread(target=run, name="pipeline-replan", daemon=True).start()
 
@@ -320,7 +320,7 @@ class RingRecovery(RecoveryRewire, RecoveryReplay):
         if rec is not None and not rec.done.done():
             rec.error = reason
             rec.done.set_exception(RecoveryImpossible(reason))
-        self.engine._break(reason)
+        self.engine.break_ring(reason)
 
 
 def _copy_future(src: concurrent.futures.Future, dst: concurrent.futures.Future) -> None:

@@ -41,7 +41,7 @@ class RecoveryReplay:
         for k in range(0, len(old_ids), MAX_FREE):
             msg = StageFree(tuple(old_ids[k:k + MAX_FREE]))
             for i in range(len(e.stages)):
-                e._send(i, msg)
+                e.send_to_stage(i, msg)
         active.clear()
         self._replays.clear()
         self._resuming = set()
@@ -74,7 +74,7 @@ class RecoveryReplay:
         step = StageStep(f.stream_id, f.seq, f.past, reset=f.past == 0, want_token=final,
                          want_logits=final and f.sample)
         f.in_flight, f.sent_at = len(ids), time.perf_counter()
-        self.engine._send(0, step, [np.array([ids], np.int64)])  # token ids [1, n]
+        self.engine.send_to_stage(0, step, [np.array([ids], np.int64)])  # token ids [1, n]
         return True
 
     def take_result(self, active: dict, msg: Any) -> bool:

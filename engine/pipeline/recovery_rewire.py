@@ -67,7 +67,7 @@ class RecoveryRewire:
             nxt = e.stages[i + 1].endpoint if i + 1 < n else e.return_endpoint
             key = (getattr(e.stages[i + 1], "server_key", "") if i + 1 < n else
                    curve.public if curve is not None else "")
-            e._send(i, StageConfigure(nxt, i, n, f"stage {i}", **({"next_key": key} if key else {})))
+            e.send_to_stage(i, StageConfigure(nxt, i, n, f"stage {i}", **({"next_key": key} if key else {})))
         waiting = set(range(n))
         deadline = time.monotonic() + self.config.rewire_timeout_s
         dead: dict[int, str] = {}
