@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.shards.worker_process import WORKER_MODULE, read_bound, worker_env
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GOAL = 0.03
 MIN_PAIRS = 6  # back-to-back (plaintext, curve) pairs of the headline case at least
@@ -147,12 +149,11 @@ class _Ring:
         self.procs: list[subprocess.Popen] = []
         self.keys = LocalRingKeys(len(shards)) if curve else None
         self.engine = None
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env = worker_env()
         try:
             links = []
             for i, (shard, (start, end)) in enumerate(zip(shards, ranges)):
-                argv = ["taskset", "-c", str(cores[i % len(cores)]), sys.executable, "-m", "engine.shards.worker",
+                argv = ["taskset", "-c", str(cores[i % len(cores)]), sys.executable, "-m", WORKER_MODULE,
                         "--shard", shard, "--bind", "tcp://127.0.0.1:*", "--name", f"stage {i}",
                         "--threads", str(threads), "--parent-pid", str(os.getpid())]
                 if blobs:
@@ -164,7 +165,7 @@ class _Ring:
                     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
                                             env=env, cwd=str(REPO_ROOT), start_new_session=True)
                 self.procs.append(proc)
-                links.append(StageLink(i, start, end, _bound(proc, log_path), proc=proc, log_path=log_path,
+                links.append(StageLink(i, start, end, read_bound(proc, f"stage {i}", log_path, 120.0), proc=proc, log_path=log_path,
                                        server_key=self.keys.public_keys[i] if self.keys else ""))
             cfg = PipelineConfig(max_concurrent=8, ready_timeout_s=300.0, ping_timeout_s=120.0,
                                  curve=self.keys.coordinator if self.keys else None)
@@ -225,24 +226,3 @@ class _Ring:
         self.procs = []
         if self.keys is not None:
             self.keys.cleanup()
-
-
-def _bound(proc: subprocess.Popen, log_path: Path, timeout: float = 120.0) -> str:
-    """The endpoint in a worker's first stdout line."""
-    import json
-    import select
-
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout
-    buf = b""
-    while b"\n" not in buf:
-        if time.monotonic() > end:
-            raise RuntimeError(f"worker {proc.pid} reported no address (log: {log_path})")
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(f"worker {proc.pid} exited while starting (log: {log_path})")
-            buf += chunk
-    proc.stdout.close()
-    return str(json.loads(buf.split(b"\n")[0])["endpoint"])

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.bench._pipeline_child import REPO_ROOT, stop_group, tail
+from engine.bench._pipeline_child import REPO_ROOT, stop_group
+from engine.shards.worker_process import WORKER_MODULE, read_bound, worker_env
 
 
 def main() -> None:
@@ -128,14 +129,13 @@ def _setup_ring(state: dict, cmd: dict) -> None:
     """Start the relays (network profiles), the 2 pinned stage workers and the coordinator."""
     from engine.pipeline.coordinator import PipelineConfig, PipelineEngine, StageLink
 
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env = worker_env()
     log_dir = Path(cmd["log_dir"])
     procs: list[subprocess.Popen] = state.setdefault("procs", [])
     hosts = cmd.get("stage_hosts") or [cmd["host"]] * len(cmd["shards"])
     links = []
     for i, (shard, (start, end), core) in enumerate(zip(cmd["shards"], cmd["ranges"], cmd["cores"])):
-        argv = [*cmd["stage_prefix"][i], "taskset", "-c", str(core), sys.executable, "-m", "engine.shards.worker",
+        argv = [*cmd["stage_prefix"][i], "taskset", "-c", str(core), sys.executable, "-m", WORKER_MODULE,
                 "--shard", shard, "--bind", f"tcp://{hosts[i]}:*", "--name", f"stage {i}",
                 "--threads", str(cmd["threads"]), "--cache-dir", cmd["blobs"], "--parent-pid", str(os.getpid())]
         log_path = log_dir / f"stage-{i}-{os.getpid()}.log"
@@ -181,24 +181,8 @@ def _start_relay(state: dict, prefix: list[str], target: str, delay_ms: float, l
 
 
 def _read_endpoint(proc: subprocess.Popen, log_path: Path, timeout: float = 120.0) -> str:
-    """The first stdout line of a worker or relay: {"endpoint": ...}."""
-    import select
-
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    buf = b""
-    while b"\n" not in buf:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError(f"process {proc.pid} reported no address within {timeout:.0f} s (log: {log_path})")
-        ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.2))
-        if ready:
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                raise RuntimeError(f"process {proc.pid} exited while starting (log: {log_path})\n{tail(log_path)}")
-            buf += chunk
-    proc.stdout.close()
-    return str(json.loads(buf.split(b"\n")[0])["endpoint"])
+    """The endpoint in the first stdout line of a worker or relay ({"endpoint": ...})."""
+    return read_bound(proc, f"process {proc.pid}", log_path, timeout)
 
 
 def _teardown(state: dict) -> None:

@@ -3,10 +3,8 @@ stage's layers on a spare agent (or on this PC) and retires the old workers."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -21,7 +19,7 @@ from engine.fleet.launch_plan import peer_profile
 from engine.fleet.refusal import StageRefused
 from engine.fleet.ring_stage import _Stage, _stop_local
 from engine.planner.plan import DeviceProfile, PeerProfile
-from engine.platform import process
+from engine.shards import worker_process
 
 if TYPE_CHECKING:
     from engine.fleet.session import FleetSession
@@ -162,8 +160,6 @@ class FleetRingProvider:
         from engine.fleet.paths import ensure_private_dir, write_private
         from engine.models.demo import cache_root
         from engine.pipeline.coordinator import StageLink
-        from engine.pipeline.runner import REPO_ROOT
-
         s = self.session
         if old.shard_path is None:
             raise FleetError("the shard is not on this PC")
@@ -174,31 +170,21 @@ class FleetRingProvider:
         allow = [p.info.public_key for p in s.peers.values()] + [s.keys.public]
         n = len(s._all)
         curve = write_curve_file(s._local_dir / f"local-{n}.curve.json", s._local_dir / "node.secret", allow)
-        cmd = [sys.executable, "-m", "engine.shards.worker", "--shard", str(old.shard_path),
+        cmd = [sys.executable, "-m", worker_process.WORKER_MODULE, "--shard", str(old.shard_path),
                "--bind", f"tcp://{s._host}:*", "--name", f"stage {old.index} (this PC)", "--device", "CPU",
                "--cache-dir", str(cache_root() / "ov-blobs"), "--parent-pid", str(os.getpid()),
                "--curve", str(curve)] + (["--exact"] if s.cfg.exact else [])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         log_path = s._local_dir / f"local-{n}.log"
-        with open(log_path, "ab") as logf:
-            proc = process.spawn(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf, env=env,
-                                 cwd=str(REPO_ROOT), die_with_us=True)
+        proc = worker_process.spawn(cmd, log_path)
         new = _Stage(old.index, None, "CPU", old.start, old.end, old.bundle, old.sha256,
                      shard_path=old.shard_path, proc=proc, pid=proc.pid)
         s._all.append(new)
-        line: list[bytes] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(s.cfg.load_timeout_s)
         try:
-            new.endpoint = str(json.loads(line[0])["endpoint"]) if line and line[0] else ""
-        except (ValueError, KeyError, TypeError):
-            new.endpoint = ""
-        if not new.endpoint:
+            new.endpoint = worker_process.read_bound(proc, f"the local worker of layers {old.start}–{old.end}",
+                                                     log_path, s.cfg.load_timeout_s)
+        except worker_process.WorkerStartError as e:
             _stop_local(proc)
-            raise FleetError(f"the local worker did not start (log: {log_path})")
-        proc.stdout.close()
+            raise FleetError(f"the local worker did not start: {e}") from None
         log.warning("fleet: layers %d–%d now on this PC (pid %d)", old.start, old.end, proc.pid)
         new.link = StageLink(old.index, old.start, old.end, new.endpoint, proc=proc, log_path=log_path,
                              server_key=s.keys.public)

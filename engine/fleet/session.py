@@ -377,11 +377,11 @@ def _load_tokenizer(model_path: Path) -> Any:
 
 def _break_engine(engine: Any, reason: str) -> None:
     """End every request of the engine with reason and refuse new ones."""
-    brk = getattr(engine, "_break", None)
+    brk = getattr(engine, "break_ring", None)
     if brk is None:
         return
     if not getattr(engine, "broken", None):
         brk(reason)
-    wake = getattr(engine, "_wake", None)
+    wake = getattr(engine, "wake", None)
     if wake is not None:
         wake()

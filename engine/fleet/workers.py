@@ -32,7 +32,6 @@ what they see to the event loop with call_soon_threadsafe.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import subprocess
@@ -46,6 +45,7 @@ from typing import IO
 
 from engine.platform import process
 from engine.protocol.control import ShardInfo
+from engine.shards.worker_process import WORKER_MODULE, parse_bound
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 0.6  # graceful stop -> kill; with the 0.5 s poll a yield stays well inside 2 s
@@ -56,7 +56,7 @@ KILL_REAP_S = 5.0  # after a kill, wait this long for the exit to be reported
 
 def pipeline_worker_command() -> list[str]:
     """The real shard worker (engine/shards/worker.py), CURVE on its data plane."""
-    return ["{python}", "-m", "engine.shards.worker", "--shard", "{shard}", "--device", "{device}",
+    return ["{python}", "-m", WORKER_MODULE, "--shard", "{shard}", "--device", "{device}",
             "--bind", "{bind}", "--cache-dir", "{cache}", "--parent-pid", "{parent}",
             "--curve", "{curve}", "{exact}"]
 
@@ -161,12 +161,10 @@ class WorkerSupervisor:
                 await asyncio.wait_for(asyncio.shield(worker.done), EXIT_SETTLE_S)
             except asyncio.TimeoutError:
                 pass
-        bound = port
+        bound, endpoint = port, parse_bound(line)
         try:
-            event = json.loads(line)
-            if isinstance(event, dict) and event.get("event") == "bound":
-                bound = int(str(event["endpoint"]).rsplit(":", 1)[1])
-        except (ValueError, KeyError, IndexError, TypeError):
+            bound = int(endpoint.rsplit(":", 1)[1]) if endpoint else port
+        except (ValueError, IndexError):
             pass
         return bound if 0 < bound < 65536 else port
 

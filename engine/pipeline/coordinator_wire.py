@@ -17,7 +17,8 @@ import zmq
 
 from engine.core.interface import EngineError
 from engine.shards.health import tune_data_socket
-from engine.pipeline.stage_link import StageLink, describe_exit, log_tail
+from engine.pipeline.stage_link import StageLink
+from engine.shards.worker_process import describe_exit, log_tail
 from engine.protocol import ErrorReply, ProtocolError, decode_frames, encode_frames
 from engine.protocol.pipeline import StageConfigure, StagePing, StagePong
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import logging
 import os
 import subprocess
@@ -43,7 +42,9 @@ from typing import Any, Callable
 
 from engine.platform import process
 from engine.pipeline.coordinator import PipelineConfig, PipelineEngine
-from engine.pipeline.stage_link import StageLink, describe_exit, log_tail
+from engine.pipeline.stage_link import StageLink
+from engine.shards import worker_process
+from engine.shards.worker_process import WorkerStartError
 from engine.core.interface import EngineError
 from engine.planner import weights as plan_weights
 from engine.planner.issues import PlanError
@@ -59,9 +60,7 @@ Progress = Callable[[str, float], None]
 # for UIs. Phases in order: "transfer" (the shard is exported/copied into
 # place), "compile" (the worker runs and loads/compiles it), "ready".
 StageProgress = Callable[[int, str, float], None]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 STOP_GRACE_S = 2.0  # graceful stop -> kill
-BOUND_TIMEOUT_S = 60.0  # a worker must report its address within this (python + openvino import)
 
 
 @dataclass(frozen=True)
@@ -199,15 +198,13 @@ class LocalFleet:
         from engine.models.demo import cache_root
 
         atexit.register(self.stop)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         blobs = cache_root() / "ov-blobs"
         if self.cfg.curve:
             from engine.transport.curve_data import LocalRingKeys
 
             self.ring_keys = LocalRingKeys(len(infos))
         for i, info in enumerate(infos):
-            cmd = [sys.executable, "-m", "engine.shards.worker", "--shard", str(info.path),
+            cmd = [sys.executable, "-m", worker_process.WORKER_MODULE, "--shard", str(info.path),
                    "--bind", f"tcp://{self.cfg.host}:*", "--name", f"stage {i}", "--device", self.cfg.device,
                    "--cache-dir", str(blobs), "--parent-pid", str(os.getpid())]
             if self.cfg.exact:
@@ -217,10 +214,8 @@ class LocalFleet:
             if self.ring_keys is not None:
                 cmd += ["--curve", str(self.ring_keys.curve_files[i])]
             log_path = self.log_dir / f"stage-{i}.log"
-            with open(log_path, "ab") as logf:
-                # Own session/process group: a terminal Ctrl-C reaches only us; we stop them.
-                proc = process.spawn(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logf,
-                                     env=env, cwd=str(REPO_ROOT), die_with_us=True)
+            # Own process group: a terminal Ctrl-C reaches only us; we stop them.
+            proc = worker_process.spawn(cmd, log_path)
             with self._lock:
                 self.procs.append(proc)
                 stopped = self._stopped
@@ -237,25 +232,11 @@ class LocalFleet:
         return self.links
 
     def _read_bound(self, link: StageLink) -> str:
-        """The endpoint the worker printed as its first stdout line (a thread reads it:
-        select() on pipes does not exist on Windows)."""
-        proc = link.proc
-        line: list[bytes] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(BOUND_TIMEOUT_S)
-        if not line:
-            raise PipelineLaunchError(f"{link.label} did not start within {BOUND_TIMEOUT_S:.0f} s "
-                                      f"(log: {link.log_path})")
-        proc.stdout.close()
-        if not line[0]:
-            code = proc.wait(timeout=5)
-            raise PipelineLaunchError(f"{link.label} {describe_exit(code)} while starting: "
-                                      f"{log_tail(link.log_path) or 'no output'} (log: {link.log_path})")
+        """The endpoint the worker printed as its first stdout line."""
         try:
-            return str(json.loads(line[0])["endpoint"])
-        except (ValueError, KeyError, TypeError):
-            raise PipelineLaunchError(f"{link.label} printed no address (log: {link.log_path})") from None
+            return worker_process.read_bound(link.proc, link.label, link.log_path)
+        except WorkerStartError as e:
+            raise PipelineLaunchError(str(e)) from None
 
     def stop(self) -> None:
         """Ask every stage to stop, then kill what is left after STOP_GRACE_S. Idempotent."""

@@ -1,8 +1,7 @@
-"""StageLink: one stage of a ring as the coordinator sees it, and how a stage process's exit is told."""
+"""StageLink: one stage of a ring as the coordinator sees it."""
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,22 +24,3 @@ class StageLink:
     def label(self) -> str:
         pid = self.proc.pid if self.proc is not None else self.pid
         return f"stage {self.index} (layers {self.start}–{self.end}" + (f", pid {pid})" if pid else ")")
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"exited with signal {-code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return f"exited with signal {-code}"
-    return f"exited with code {code}"
-
-
-def log_tail(path: Path | None, limit: int = 200) -> str:
-    if path is None:
-        return ""
-    try:
-        lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return " ".join(lines[-1].split())[:limit] if lines else ""

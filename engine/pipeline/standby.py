@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.platform import process
+from engine.shards.worker_process import WORKER_MODULE
 
 log = logging.getLogger(__name__)
-
-WORKER_MODULE = "engine.shards.worker"
 
 
 class LocalRingProvider:
@@ -130,14 +129,9 @@ class LocalRingProvider:
             return proc
 
     def _popen(self, cmd: list[str], log_path: Path, stdin: Any) -> subprocess.Popen:
-        from engine.pipeline.runner import REPO_ROOT
+        from engine.shards import worker_process
 
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as logf:
-            proc = process.spawn(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=logf, env=env,
-                                 cwd=str(REPO_ROOT), die_with_us=True)
+        proc = worker_process.spawn(cmd, log_path, stdin=stdin)
         with self._lock:
             self.fleet.procs.append(proc)  # fleet.stop() ends it
         if getattr(self.fleet, "_stopped", False):  # stopped meanwhile: do not leave it behind
