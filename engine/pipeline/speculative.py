@@ -25,7 +25,6 @@ its next step.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,60 +32,27 @@ import numpy as np
 from engine.protocol.messages import GenerateRequest
 from engine.protocol.pipeline import StageResult, StageStep
 from engine.runtime.generation import Generation
-from engine.speculative.config import SpecConfig, known_draft
-from engine.speculative.drafts import DraftModel, LookupDraft
+from engine.speculative.config import SpecConfig
 from engine.runtime.kv_state import VisibleMask
 from engine.speculative.session import SpecSession
+from engine.speculative.speculation import Speculation
 
 log = logging.getLogger(__name__)
 
 
-class RingSpeculation:
-    """The coordinator's speculation defaults and draft model."""
+class RingSpeculation(Speculation):
+    """The coordinator's speculation (engine/speculative/speculation.py), with totals summed
+    over finished streams for the benchmarks."""
 
     def __init__(self, config: SpecConfig, model_id: str, vocab: int, device: str = "CPU",
                  precision: str = "default", progress: Any = None) -> None:
-        self.config = config
-        self.model_id = model_id
-        self.vocab = vocab
-        self.device = device
-        self.precision = precision
-        self.progress = progress
-        self.draft_model: DraftModel | None = None
-        # summed over finished streams: drafted, accepted, rejections, verify steps (for benchmarks)
+        # drafted, accepted, rejections, verify steps, compactions
         self.totals = {"proposed": 0, "accepted": 0, "rejections": 0, "steps": 0, "compactions": 0}
-        if config.mode == "draft" or config.draft_model:
-            # at launch, not at the first request that drafts: loading and compiling the draft on
-            # the coordinator's loop stalls it for seconds, and the stages' pongs go unread meanwhile
-            # (seen: a false "stopped answering" recovery on a cold cache)
-            self._draft_model()
-
-    def _draft_model(self) -> DraftModel:
-        if self.draft_model is None:
-            spec = self.config.draft_model or known_draft(self.model_id)
-            if spec is None:
-                raise ValueError(f"no draft model for {self.model_id}: start the pipeline with --draft-model")
-            from engine.models import resolve_model
-
-            path = Path(resolve_model(spec, self.progress).path)
-            self.draft_model = DraftModel(path, self.device, self.precision, self.progress)
-        return self.draft_model
+        super().__init__(config, model_id, vocab, device, precision, progress)
 
     def open(self, request: GenerateRequest, gen: Generation) -> "StreamSpeculation | None":
-        settings = self.config.resolve(request.speculative)
-        if not settings.on:
-            return None
-        if settings.mode == "draft":
-            drafter = self._draft_model().new_drafter(self.config.compact_fraction,
-                                                      self.config.compact_min_hidden)
-        else:
-            drafter = LookupDraft(self.config.lookup_max_ngram, self.config.lookup_min_ngram)
-        return StreamSpeculation(SpecSession(gen, drafter, settings, self.vocab), self.config, self.totals)
-
-    def close(self) -> None:
-        if self.draft_model is not None:
-            self.draft_model.close()
-            self.draft_model = None
+        session = self.new_session(request, gen)
+        return None if session is None else StreamSpeculation(session, self.config, self.totals)
 
 
 class StreamSpeculation:

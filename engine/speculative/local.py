@@ -14,17 +14,16 @@ engine.runtime.generation.step unchanged.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from engine.protocol.messages import GenerateRequest, TokenEvent
 from engine.runtime.generation import Generation, decode_one, prefill_step
-from engine.speculative.config import SpecConfig, known_draft
-from engine.speculative.drafts import DraftModel, LookupDraft
+from engine.speculative.config import SpecConfig
 from engine.runtime.kv_state import VisibleMask, compact_state
 from engine.speculative.session import SpecSession, emit_tokens
+from engine.speculative.speculation import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -105,42 +104,19 @@ def spec_step(gen: Generation, session: SpecSession) -> TokenEvent | None:
     return emit_tokens(gen, tokens)
 
 
-class LocalSpeculation:
-    """LocalEngine's speculation: its defaults, its draft model, its sessions."""
+class LocalSpeculation(Speculation):
+    """The local engines' speculation (engine/speculative/speculation.py): a masked stream per
+    speculating request and its session, by request."""
 
     def __init__(self, config: SpecConfig, backend: Any, model_id: str, vocab: int,
                  device: str = "CPU", precision: str = "default", progress: Any = None) -> None:
-        self.config = config
         self.backend = backend
-        self.model_id = model_id
-        self.vocab = vocab
-        self.device = device
-        self.precision = precision
-        self.progress = progress
-        self.draft_model: DraftModel | None = None
         self.sessions: dict[int, SpecSession] = {}  # id(gen) -> session
-        if config.mode == "draft":
-            self._draft_model()  # load at start, not on the first request
+        super().__init__(config, model_id, vocab, device, precision, progress)
 
     @property
     def supported(self) -> bool:
         return hasattr(self.backend, "compiled") and hasattr(self.backend, "input_names")
-
-    def _draft_model(self) -> DraftModel:
-        if self.draft_model is None:
-            spec = self.config.draft_model or known_draft(self.model_id)
-            if spec is None:
-                raise ValueError(f"no draft model for {self.model_id}: start the engine with --draft-model")
-            from engine.models import resolve_model
-
-            path = Path(resolve_model(spec, self.progress).path)
-            self.draft_model = DraftModel(path, self.device, self.precision, self.progress)
-        return self.draft_model
-
-    def wants(self, request: GenerateRequest) -> bool:
-        """Whether a request speculates: its own field, else the engine's default (a request
-        held to a grammar or asking logprobs says "off": GenerateRequest sees to that)."""
-        return self.config.resolve(request.speculative).on
 
     def new_stream(self, request: GenerateRequest) -> MaskedOVStream | None:
         """A masked stream when the request speculates, else None (the plain one is used)."""
@@ -151,15 +127,10 @@ class LocalSpeculation:
         return MaskedOVStream(self.backend.compiled, self.backend.input_names, self.backend.chunk,
                               self.config.compact_fraction, self.config.compact_min_hidden)
 
-    def open(self, request: GenerateRequest, gen: Generation) -> SpecSession:
-        settings = self.config.resolve(request.speculative)
-        if settings.mode == "draft":
-            drafter = self._draft_model().new_drafter(self.config.compact_fraction,
-                                                      self.config.compact_min_hidden)
-        else:
-            drafter = LookupDraft(self.config.lookup_max_ngram, self.config.lookup_min_ngram)
-        session = SpecSession(gen, drafter, settings, self.vocab)
-        self.sessions[id(gen)] = session
+    def open(self, request: GenerateRequest, gen: Generation) -> SpecSession | None:
+        session = self.new_session(request, gen)
+        if session is not None:
+            self.sessions[id(gen)] = session
         return session
 
     def session(self, gen: Generation) -> SpecSession | None:
@@ -174,5 +145,4 @@ class LocalSpeculation:
         for s in self.sessions.values():
             s.close()
         self.sessions.clear()
-        if self.draft_model is not None:
-            self.draft_model.close()
+        super().close()
