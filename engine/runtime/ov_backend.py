@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from engine.runtime.backend import Progress
+from engine.runtime.stateful_stream import StatefulStream
 from engine.runtime.errors import BackendError
 from engine.runtime.ov_compile import VIRTUAL_DEVICES, CompileConfigError
 from engine.runtime.ov_compile import compile_config as device_compile_config
@@ -192,7 +193,7 @@ def compile_config(device: str, precision: str, cache_dir: Path | None) -> dict[
 
 
 class OVStream:
-    """One request's view of the model: its own InferRequest and KV state.
+    """One request's view of the model: its own InferRequest and KV state (a StatefulStream).
 
     `release(req, fed)` is called with the InferRequest and the ids it holds when the
     stream closes (the model's pool of idle requests); without one the request is simply
@@ -202,30 +203,27 @@ class OVStream:
     def __init__(self, compiled, input_names: set[str], chunk: int, req=None,
                  release: Callable[[Any, list[int]], None] | None = None,
                  reuse: int = 0, held: Sequence[int] = ()) -> None:
-        self.req = req if req is not None else compiled.create_infer_request()
-        reuse = _keep_prefix(self.req, reuse, len(held))
-        self.names = input_names
+        self.state = StatefulStream(req if req is not None else compiled.create_infer_request(), input_names)
+        self.state.mask.commit(len(held))  # what the request holds from its last stream
+        reuse = _keep_prefix(self.state, reuse)
         self.chunk = chunk
         self.cached = reuse  # of them, taken over from an earlier request (prompt caching)
         self.fed: list[int] = list(held[:reuse])  # the ids in the KV state, in order
         self._release = release
 
+    @property
+    def req(self) -> Any:
+        """The InferRequest (None once closed)."""
+        return self.state.request if self.state is not None else None
+
     def _run(self, ids: np.ndarray) -> np.ndarray:
         n = ids.shape[1]  # ids: [1, n] int64
-        feed = {"input_ids": ids}
-        if "attention_mask" in self.names:
-            feed["attention_mask"] = np.ones((1, self.past + n), dtype=np.int64)
-        if "position_ids" in self.names:
-            feed["position_ids"] = np.arange(self.past, self.past + n, dtype=np.int64)[None]
-        # Fed every step (1-element copies, ~free): a request comes from a pool shared with the
-        # speculative streams, and a tensor bound with set_tensor would outlive this stream's arrays.
-        if "beam_idx" in self.names:
-            feed["beam_idx"] = np.zeros(1, dtype=np.int32)
-        if LOGITS_TO_KEEP in self.names:
-            feed[LOGITS_TO_KEEP] = _LAST_ONLY
-        self.req.infer(feed)
+        inputs = {"input_ids": ids}
+        if LOGITS_TO_KEEP in self.state.names:
+            inputs[LOGITS_TO_KEEP] = _LAST_ONLY
+        self.state.infer(inputs, n)
         self.fed.extend(int(t) for t in ids[0])
-        logits = self.req.get_tensor("logits").data  # [1, n or 1, vocab]
+        logits = self.state.request.get_tensor("logits").data  # [1, n or 1, vocab]
         return np.array(logits[0, -1], dtype=np.float32)  # [vocab], a copy
 
     @property
@@ -246,27 +244,21 @@ class OVStream:
         return self._run(np.array([[token]], dtype=np.int64))
 
     def close(self) -> None:
-        req, self.req = self.req, None
-        if req is not None and self._release is not None:
-            self._release(req, self.fed)
+        state, self.state = self.state, None
+        if state is not None and self._release is not None:
+            self._release(state.request, self.fed)
 
 
-def _keep_prefix(req: Any, reuse: int, held: int) -> int:
-    """Keep the first `reuse` of the `held` positions of req's KV state (0: reset it).
-    Returns how many were kept: a state that cannot be trimmed is reset instead."""
-    if reuse <= 0:
-        req.reset_state()
+def _keep_prefix(state: StatefulStream, reuse: int) -> int:
+    """Keep the first `reuse` positions of the state (0: reset it). Returns how many were
+    kept: a state that cannot be trimmed is reset instead."""
+    try:
+        state.keep_first(reuse)
+    except Exception:  # e.g. a bf16 state numpy cannot hold: no reuse, still correct
+        log.debug("prompt cache: trimming the KV state failed; prefilling in full", exc_info=True)
+        state.reset()
         return 0
-    if reuse < held:
-        try:
-            from engine.runtime.kv_state import trim_state
-
-            trim_state(req, reuse)  # [batch, kv_heads, T, head_dim] -> first `reuse` positions
-        except Exception:  # e.g. a bf16 state numpy cannot hold: no reuse, still correct
-            log.debug("prompt cache: trimming the KV state failed; prefilling in full", exc_info=True)
-            req.reset_state()
-            return 0
-    return reuse
+    return max(0, reuse)
 
 
 _LAST_ONLY = np.ones(1, dtype=np.int64)  # logits_to_keep = [1]

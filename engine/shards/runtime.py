@@ -18,6 +18,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from engine.runtime.stateful_stream import StatefulStream
+
 from engine.shards.export import ShardInfo
 
 
@@ -64,11 +66,12 @@ def runtime_op_counts(compiled) -> dict[str, int]:
 
 
 class ShardStream:
-    """One user's InferRequest and KV state on one shard."""
+    """One user's InferRequest and KV state on one shard (a StatefulStream)."""
 
     def __init__(self, runner: "ShardRunner"):
         self.runner = runner
-        self.request = runner.compiled.create_infer_request()
+        self.state = StatefulStream(runner.compiled.create_infer_request(), runner.input_names)
+        self.request = self.state.request
         self.reset()
 
     def reset(self) -> None:
@@ -76,23 +79,36 @@ class ShardStream:
         import openvino as ov
 
         info = self.runner.info
-        self.request.reset_state()
+        self.state.reset()
         empty = np.zeros((1, info.num_kv_heads, 0, info.head_dim), np.float32)
         for state in self.request.query_state():
             state.state = ov.Tensor(empty)
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _complete(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed = dict(inputs)
         if "beam_idx" in self.runner.input_names and "beam_idx" not in feed:
             some = next(iter(feed.values()))
             feed["beam_idx"] = np.zeros(some.shape[0], np.int32)
         if "logits_to_keep" in self.runner.input_names and "logits_to_keep" not in feed:
             feed["logits_to_keep"] = np.zeros(1, np.int64)  # not asked: logits of every position
-        # Shared in/out buffers skip two copies per call; outputs are copied once
-        # here because the next infer() overwrites them.
-        self.request.infer(feed, share_inputs=True, share_outputs=True)
-        return {name: self.request.get_tensor(port).data.copy()
-                for name, port in self.runner.output_ports.items()}
+        return feed
+
+    def _outputs(self) -> dict[str, np.ndarray]:
+        # copied once here: the next infer() overwrites them
+        return {name: self.request.get_tensor(port).data.copy() for name, port in self.runner.output_ports.items()}
+
+    def step(self, inputs: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+        """Append n tokens (input_ids or hidden_states [1, n, ...]): the stream adds the
+        attention_mask over its visible positions and the logical position_ids."""
+        # Shared in/out buffers skip two copies per call.
+        self.state.infer(self._complete(inputs), n, share_inputs=True, share_outputs=True)
+        return self._outputs()
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run a feed as given (the caller's own attention_mask and position_ids): benchmarks
+        and references that drive a shard directly."""
+        self.request.infer(self._complete(inputs), share_inputs=True, share_outputs=True)
+        return self._outputs()
 
 
 class ShardRunner:

@@ -98,10 +98,14 @@ class WorkerConfig:
 
 @dataclass
 class _Stream:
-    stream: Any  # ShardStream: this stream's InferRequest and KV state
+    stream: Any  # ShardStream: this stream's InferRequest and KV state (a StatefulStream)
     past: int = 0  # tokens physically in its KV state (visible or hidden)
     seq: int = 0  # the next step number expected
-    mask: Any = None  # engine.runtime.kv_state.VisibleMask: which of them are visible
+
+    @property
+    def mask(self) -> Any:
+        """engine.runtime.kv_state.VisibleMask: which of its positions are visible."""
+        return self.stream.state.mask
 
 
 @dataclass
@@ -270,15 +274,11 @@ class ShardWorker:
             n = x.shape[1]
             t = time.perf_counter()
             self._rollback(st, step)
-            feed = {
-                "input_ids" if self.info.first else "hidden_states": x,
-                "attention_mask": st.mask.feed(n),  # [1, past + n], 0 at hidden positions
-                "position_ids": st.mask.positions(n),  # [1, n], logical
-            }
+            feed = {"input_ids" if self.info.first else "hidden_states": x}  # the stream adds mask, positions
             if self.info.last:  # logits only where they are read: every position to verify, else the last
                 feed["logits_to_keep"] = np.array([n if step.want_all else 1], np.int64)
             with computing(self):  # pings are answered meanwhile (engine/shards/health.py)
-                out = st.stream.run(feed)
+                out = st.stream.step(feed, n)
             ms = (time.perf_counter() - t) * 1000.0
         except ProtocolError as e:
             self._drop(sid)
@@ -292,7 +292,6 @@ class ShardWorker:
             self._downstream(ErrorReply(sid, "internal", f"{self.name}: inference failed "
                                                          f"({type(e).__name__})"))
             return
-        st.mask.commit(n)
         st.past += n
         st.seq += 1
         self.stats.steps += 1
@@ -317,10 +316,7 @@ class ShardWorker:
         if step.hide:
             st.mask.hide_ranges(step.hide)
         if step.compact and st.mask.hidden:
-            from engine.runtime.kv_state import compact_state
-
-            compact_state(st.stream.request, st.mask.keep_index())  # every state: [1, kv, visible, d]
-            st.mask.compacted()
+            st.stream.state.compact()  # every state: [1, kv, visible, d]
             st.past = st.mask.length
         if step.logical != st.mask.visible:
             raise ProtocolError(f"stream {step.stream_id}: step {step.seq} starts at position "
@@ -332,12 +328,9 @@ class ShardWorker:
         st = self.streams.get(sid)
         if step.reset:
             if st is None:
-                from engine.runtime.kv_state import VisibleMask
-
                 stream = self.pool.pop() if self.pool else self.runner.new_stream()
-                st = self.streams[sid] = _Stream(stream, mask=VisibleMask())
-            st.stream.reset()  # every state = empty [1, kv_heads, 0, head_dim]
-            st.mask.reset()
+                st = self.streams[sid] = _Stream(stream)
+            st.stream.reset()  # every state = empty [1, kv_heads, 0, head_dim], nothing visible
             st.past, st.seq = 0, step.seq
         if st is None:
             raise ProtocolError(f"stream {sid} is not open on {self.name}", "not_found")

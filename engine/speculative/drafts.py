@@ -26,7 +26,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from engine.runtime.sampling import SamplerConfig, process_logits, softmax
-from engine.runtime.kv_state import VisibleMask, compact_state
+from engine.runtime.stateful_stream import StatefulStream
 from engine.speculative.verify import draw_from
 
 
@@ -107,10 +107,8 @@ class ModelDraft:
 
     def __init__(self, model: DraftModel, compact_fraction: float, compact_min_hidden: int) -> None:
         self.model = model
-        self.req = model.model.compiled.create_infer_request()
-        self.req.reset_state()
-        self.names = model.model.input_names
-        self.mask = VisibleMask()
+        self.state = StatefulStream(model.model.compiled.create_infer_request(), model.model.input_names)
+        self.state.reset()
         self.consumed: list[int] = []  # logical tokens whose K/V are visible, in order
         self.last_logits: np.ndarray | None = None  # after consumed[-1]
         self.compact_fraction = compact_fraction
@@ -123,13 +121,8 @@ class ModelDraft:
         logits = None
         for s in range(0, arr.shape[1], self.chunk):
             part = arr[:, s:s + self.chunk]
-            n = part.shape[1]
-            feed = {"input_ids": part, "attention_mask": self.mask.feed(n), "position_ids": self.mask.positions(n)}
-            if "beam_idx" in self.names:
-                feed["beam_idx"] = np.zeros(1, np.int32)
-            self.req.infer(feed)
-            self.mask.commit(n)
-            logits = np.array(self.req.get_tensor("logits").data[0, -1], dtype=np.float32)  # [V]
+            self.state.infer({"input_ids": part}, part.shape[1])
+            logits = np.array(self.state.request.get_tensor("logits").data[0, -1], dtype=np.float32)  # [V]
         self.consumed.extend(int(t) for t in ids)
         return logits
 
@@ -144,13 +137,10 @@ class ModelDraft:
         if common == len(context):  # the context is a prefix of the state: re-run its last token
             common -= 1
         if common < len(self.consumed):  # hide what the context no longer has (a rejected tail)
-            keep = self.mask.keep_index()  # logical -> physical
-            for p in keep[common:]:
-                self.mask.hide(int(p), int(p) + 1)
+            keep = self.state.mask.keep_index()  # logical -> physical
+            self.state.hide_ranges(x for p in keep[common:] for x in (int(p), int(p) + 1))
             del self.consumed[common:]
-            if self.mask.hidden >= self.compact_min_hidden and self.mask.hidden_fraction >= self.compact_fraction:
-                compact_state(self.req, self.mask.keep_index())
-                self.mask.compacted()
+            self.state.compact_if(self.compact_fraction, self.compact_min_hidden)
         self.last_logits = self._run(context[common:])
         return self.last_logits
 
@@ -183,4 +173,4 @@ class ModelDraft:
         return Draft(tokens, q_rows, (time.perf_counter() - t) * 1000.0)
 
     def close(self) -> None:
-        self.req = None
+        self.state = None

@@ -21,7 +21,7 @@ import numpy as np
 from engine.protocol.messages import GenerateRequest, TokenEvent
 from engine.runtime.generation import Generation, decode_one, prefill_step
 from engine.speculative.config import SpecConfig
-from engine.runtime.kv_state import VisibleMask, compact_state
+from engine.runtime.stateful_stream import StatefulStream
 from engine.speculative.session import SpecSession, emit_tokens
 from engine.speculative.speculation import Speculation
 
@@ -36,29 +36,25 @@ class MaskedOVStream:
         missing = {"attention_mask", "position_ids"} - input_names
         if missing:
             raise ValueError(f"speculation needs model inputs {sorted(missing)}")
-        self.req = compiled.create_infer_request()
-        self.req.reset_state()
-        self.names = input_names
+        self.state = StatefulStream(compiled.create_infer_request(), input_names)
+        self.state.reset()
         self.chunk = chunk
-        self.mask = VisibleMask()
         self.compact_fraction = compact_fraction
         self.compact_min_hidden = compact_min_hidden
-        self.compactions = 0
 
     @property
     def past(self) -> int:
-        return self.mask.visible
+        return self.state.visible
+
+    @property
+    def compactions(self) -> int:
+        return self.state.compactions
 
     def run(self, ids: Sequence[int]) -> np.ndarray:
         """Append ids (visible); logits of every position, float32 [n, V] (a copy)."""
         arr = np.asarray(ids, dtype=np.int64).reshape(1, -1)  # [1, n]
-        n = arr.shape[1]
-        feed = {"input_ids": arr, "attention_mask": self.mask.feed(n), "position_ids": self.mask.positions(n)}
-        if "beam_idx" in self.names:
-            feed["beam_idx"] = np.zeros(1, np.int32)
-        self.req.infer(feed)
-        self.mask.commit(n)
-        return np.array(self.req.get_tensor("logits").data[0], dtype=np.float32)
+        self.state.infer({"input_ids": arr}, arr.shape[1])
+        return np.array(self.state.request.get_tensor("logits").data[0], dtype=np.float32)
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         if len(ids) == 0:
@@ -73,14 +69,11 @@ class MaskedOVStream:
 
     def hide_tail(self, count: int) -> None:
         """Roll back the last `count` positions: hidden by the mask; compact when due."""
-        self.mask.hide_tail(count)
-        if self.mask.hidden >= self.compact_min_hidden and self.mask.hidden_fraction >= self.compact_fraction:
-            compact_state(self.req, self.mask.keep_index())
-            self.mask.compacted()
-            self.compactions += 1
+        self.state.hide_tail(count)
+        self.state.compact_if(self.compact_fraction, self.compact_min_hidden)
 
     def close(self) -> None:
-        self.req = None
+        self.state = None
 
 
 def spec_step(gen: Generation, session: SpecSession) -> TokenEvent | None:
