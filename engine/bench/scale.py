@@ -152,8 +152,9 @@ def measure_precision(model_path: Path, precision: str, caps: Caps, *, ckpt_byte
 
     from engine.bench._capped_fleet import CapRule, run_capped_fleet
     from engine.bench._capped_steps import run_capped
-    from engine.shards.export import model_fingerprint, shard_cache_root
+    from engine.shards.export import shard_cache_root
 
+    from engine.models.fingerprint import model_fingerprint
     cache = shard_cache_root()
     fingerprint = model_fingerprint(model_path)
     drop_cached_shards(cache, fingerprint, precision)

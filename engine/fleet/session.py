@@ -142,8 +142,9 @@ class FleetSession(LaunchPlanning):
 
         from engine.fleet.bundle import cached_bundle
         from engine.models.demo import cache_root
-        from engine.shards.export import MANIFEST, ensure_shard, model_fingerprint, shard_cache_key, shard_cache_root
+        from engine.shards.export import MANIFEST, ensure_shard, shard_cache_key, shard_cache_root
 
+        from engine.models.fingerprint import model_fingerprint
         fp = model_fingerprint(model_path)
         for st in self.stages:  # ranges and precision from the plan, one range at a time
             key = shard_cache_key(fp, st.start, st.end, self.precision, ov.get_version())

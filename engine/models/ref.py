@@ -16,7 +16,6 @@ Nothing is ever written into a user's folder.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from typing import Any, Callable
 
 from engine.models import demo
 from engine.models.errors import ModelError
+from engine.models.fingerprint import model_fingerprint
 
 Progress = Callable[[str, float], None]
 
@@ -98,7 +98,7 @@ def _resolve_folder(spec: str, model_id: str, path: Path, kind: str | None) -> R
         kind = "openvino" if fmt == "openvino" else "hf"
     return ResolvedModel(spec=spec, model_id=model_id, path=path, kind=kind,
                          architecture=architecture_of(config),
-                         fingerprint=_fingerprint(path, weights), weights_format=fmt)
+                         fingerprint=model_fingerprint(path), weights_format=fmt)
 
 
 def check_folder(path: Path) -> dict[str, Any]:
@@ -280,17 +280,6 @@ def _check_tokenizer(path: Path) -> None:
         return
     raise ModelError(f"{path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
                      "copy the tokenizer files from the original model too")
-
-
-def _fingerprint(path: Path, weights: list[Path]) -> str:
-    # Content-ish hash: config bytes plus the size and mtime of each weight
-    # file. Hashing gigabytes of weights would take minutes; a re-copied or
-    # re-downloaded model changes mtimes, so exports are redone when needed.
-    h = hashlib.sha256((path / CONFIG_FILE).read_bytes())
-    for f in weights:
-        st = f.stat()
-        h.update(f"\0{f.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- hub

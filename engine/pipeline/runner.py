@@ -172,8 +172,9 @@ class LocalFleet:
         """ShardInfo of every stage at the plan's weight precision, exporting missing ones."""
         import openvino as ov
 
-        from engine.shards.export import (MANIFEST, ensure_shard, model_fingerprint, shard_cache_key,
-                                            shard_cache_root)
+        from engine.models.fingerprint import model_fingerprint
+        from engine.shards.export import MANIFEST, ensure_shard, shard_cache_key, shard_cache_root
+
         fp = model_fingerprint(self.model_path)
         total = self.profile.num_layers
         precision = plan_weights.plan_precision(self.plan)  # the plan's, never re-chosen here

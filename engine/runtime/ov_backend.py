@@ -25,7 +25,6 @@ those inference precisions.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import logging
 import os
@@ -40,6 +39,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from engine.models.fingerprint import model_fingerprint
 from engine.runtime.backend import Progress
 from engine.runtime.stateful_stream import StatefulStream
 from engine.runtime.errors import BackendError
@@ -75,18 +75,6 @@ def ov_cache_root() -> Path:
 
 def is_ir_folder(path: Path) -> bool:
     return (Path(path) / IR_NAME).exists()
-
-
-def model_fingerprint(src: Path) -> str:
-    """Cheap identity of an HF folder: config.json bytes + name, size and
-    mtime of every file (weights are not hashed: they can be many GB)."""
-    h = hashlib.sha256()
-    for f in sorted(p for p in Path(src).iterdir() if p.is_file()):
-        st = f.stat()
-        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        if f.name == "config.json":
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def export_dir(src: Path, root: Path | None = None, weights: str = "auto") -> Path:

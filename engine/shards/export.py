@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from engine.models.fingerprint import model_fingerprint
 from engine.shards.export_graph import _fuse_cache_reorder, _make_stateful, _ordered_states, _stitch
 from engine.shards.export_pieces import _export_piece, plan_pieces
 
@@ -104,31 +105,6 @@ class ShardInfo:
 
 
 # -- identity and cache ------------------------------------------------------
-
-
-def model_fingerprint(model_path: Path) -> str:
-    """A cheap identity of a HF folder: config + weight file names, sizes, ends.
-
-    A demo model's own recipe fingerprint is used when present. Full hashing
-    of multi-GB weights is avoided: the safetensors header (tensor names,
-    shapes, offsets) sits in the first MiB, and a sample of the tail catches
-    re-trained weights of identical layout.
-    """
-    model_path = Path(model_path)
-    h = hashlib.sha256()
-    h.update((model_path / "config.json").read_bytes())
-    demo = model_path / "flotilla-demo.json"
-    if demo.exists():
-        h.update(json.loads(demo.read_text()).get("fingerprint", "").encode())
-    weights = sorted(p for p in model_path.iterdir() if p.suffix in (".safetensors", ".bin"))
-    for p in weights:
-        size = p.stat().st_size
-        h.update(f"{p.name}:{size}".encode())
-        with open(p, "rb") as f:
-            h.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read(1 << 20))
-    return h.hexdigest()[:20]
 
 
 # This package's modules that decide a shard's graph and weights (not runtime.py, worker.py or

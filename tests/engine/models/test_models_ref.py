@@ -20,7 +20,7 @@ def test_resolves_each_demo(demo_id):
     assert (r.spec, r.model_id, r.kind) == (demo_id, demo_id, "demo")
     assert r.path == ensure_demo(demo_id) and (r.path / "config.json").is_file()
     assert r.architecture.endswith("ForCausalLM")
-    assert len(r.fingerprint) == 16
+    assert len(r.fingerprint) == 20
     assert resolve_model(demo_id).fingerprint == r.fingerprint  # stable
 
 
@@ -33,11 +33,26 @@ def test_local_hf_folder(copy_demo, listing):
     assert listing(folder) == before
 
 
-def test_fingerprint_follows_weights(copy_demo):
+def test_fingerprint_follows_the_weights_not_the_file_times(copy_demo):
+    """A model is the same on every machine (shards are compared by it): copying or touching
+    its files keeps its fingerprint; changing a tensor deep inside a weight file (a fine-tune
+    saved over it) does not."""
+    import json
+    import struct
+
     folder = copy_demo()
     fp = resolve_model(str(folder)).fingerprint
     w = folder / "model.safetensors"
     os.utime(w, ns=(w.stat().st_atime_ns, w.stat().st_mtime_ns + 10**9))
+    assert resolve_model(str(folder)).fingerprint == fp
+    raw = bytearray(w.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    # a tensor that starts past the first MiB and ends before the last one
+    begin = min(v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"
+                and 8 + n + v["data_offsets"][0] > 1 << 20 and 8 + n + v["data_offsets"][1] < len(raw) - (1 << 20))
+    raw[8 + n + begin] ^= 0xFF
+    w.write_bytes(bytes(raw))
     assert resolve_model(str(folder)).fingerprint != fp
 
 

@@ -18,9 +18,9 @@ from engine.shards.export import (  # noqa: E402
     _load_hf,
     ensure_shard,
     export_shard,
-    model_fingerprint,
     shard_cache_key,
 )
+from engine.models.fingerprint import model_fingerprint  # noqa: E402
 from engine.pipeline.runner import even_split  # noqa: E402
 from engine.shards.runtime import ShardRunner  # noqa: E402
 
