@@ -7,10 +7,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engine.client.settings import config_dir, load_sharing_policy, save_sharing_policy
 from engine.core.interface import EngineError
+
+if TYPE_CHECKING:
+    import collections
+    import subprocess
+
+    from engine.protocol.control import AgentInfo, AgentUp
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,8 @@ class AgentHandle:
         self.info_port = info_port or DEFAULT_BASE_PORT + INFO_OFFSET
         self.host = host
         self.pid = pid  # the agent's process: its children are the shard workers
-        self.proc: Any = None  # set by spawn(): the agent child process
-        self.lines: Any = None  # its last stderr lines (spawn)
+        self.proc: subprocess.Popen | None = None  # set by spawn(): the agent child process
+        self.lines: collections.deque[str] | None = None  # its last stderr lines (spawn)
 
     @classmethod
     def spawn(cls, argv: Sequence[str] = (), timeout: float = 60.0,
@@ -93,7 +99,7 @@ class AgentHandle:
                              text=True, env=env)
         lines: collections.deque[str] = collections.deque(maxlen=200)
         up = threading.Event()
-        announced: list[Any] = []  # the AgentUp, once read
+        announced: list[AgentUp] = []  # the AgentUp, once read
 
         def log_pump() -> None:  # its log, for the error below and the tray's view; read to the end
             for line in proc.stderr:
@@ -170,13 +176,13 @@ class AgentHandle:
             summary += f" · {len(pending)} pairing request{'s' if len(pending) != 1 else ''}"
         return AgentState(state, summary, running, workers, share_now, paused, pending, paired)
 
-    def _info(self, timeout: float) -> Any:
+    def _info(self, timeout: float) -> AgentInfo | None:
         import zmq.asyncio
 
         from engine import aio
         from engine.fleet.discovery import async_query_info
 
-        async def ask() -> Any:
+        async def ask() -> AgentInfo | None:
             ctx = zmq.asyncio.Context()
             try:
                 return await async_query_info(ctx, self.host, self.info_port, timeout=timeout)
@@ -285,7 +291,7 @@ class AgentHandle:
         return int(self.proc.wait()) if self.proc is not None else 0
 
 
-def _close_lifeline(proc: Any) -> None:
+def _close_lifeline(proc: subprocess.Popen) -> None:
     """Close the agent's stdin (AgentHandle.spawn gave it --stdin-lifeline): its request to stop.
     An agent started otherwise (no pipe) gets the OS's graceful stop instead."""
     if proc.stdin is None:

@@ -16,6 +16,10 @@ from engine.client.settings import config_dir, load_sharing_policy
 from engine.core.interface import Engine, EngineError
 
 if TYPE_CHECKING:
+    import queue
+
+    from engine.aio import LoopThread
+    from engine.fleet.discovery import ManualPeers, Peer
     from engine.fleet.launch_reports import StageProgress
     from engine.planner.plan import Plan
     from engine.transport.security import KeyPair
@@ -44,7 +48,7 @@ class PeerCard:
     fingerprint: str = ""  # the agent's key fingerprint (16 hex), what people compare
     public_key: str = ""  # the agent's CurveZMQ public key (Z85)
     sharing_now: bool | None = None  # the agent's own decision (Status; paired peers only)
-    handle: Any = field(default=None, compare=False, repr=False)  # engine.fleet Peer, for pairing/launch
+    handle: Peer | None = field(default=None, compare=False, repr=False)  # the fleet's own Peer (pairing, launch)
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def pairing_code_for(card: PeerCard) -> str:
     return pairing_code(card.public_key, _controller_keys().public)
 
 
-def _card(peer: Any, paired: bool | None, sharing_now: bool | None, why: str) -> PeerCard:
+def _card(peer: Peer, paired: bool | None, sharing_now: bool | None, why: str) -> PeerCard:
     i = peer.info
     host = peer.host  # the address that answered, best first
     address = f"[{host}]:{i.control_port}" if ":" in host else f"{host}:{i.control_port}"
@@ -130,7 +134,7 @@ def _card(peer: Any, paired: bool | None, sharing_now: bool | None, why: str) ->
                     sharing_now=sharing_now, handle=peer)
 
 
-async def _probe(keys: Any, peer: Any, timeout: float = 3.0) -> tuple[bool | None, bool | None, str]:
+async def _probe(keys: KeyPair, peer: Peer, timeout: float = 3.0) -> tuple[bool | None, bool | None, str]:
     """(paired, sharing now, why) of one agent, from a CURVE handshake on its
     control port: the agent's ZAP admits allow-listed keys only, so this tells
     paired from not paired without asking anything of the owner."""
@@ -165,11 +169,11 @@ class FleetWatcher:
                  manual_interval: float = 5.0) -> None:
         self.interfaces = list(interfaces) if interfaces else None
         self.mdns, self.manual_interval = mdns, manual_interval
-        self._loop: Any = None
-        self._manual: Any = None
-        self._queue: Any = None
+        self._loop: LoopThread | None = None
+        self._manual: ManualPeers | None = None
+        self._queue: queue.Queue[FleetChange] | None = None
         self._probed: dict[str, tuple[float, tuple]] = {}  # node_id -> (when, probe result)
-        self._keys: Any = None
+        self._keys: KeyPair | None = None
 
     def events(self, stop: threading.Event):  # -> Iterator[FleetChange]
         import queue
@@ -217,7 +221,7 @@ class FleetWatcher:
             self._loop = None
 
     # -- on the loop thread ------------------------------------------------------
-    def _on_peer(self, kind: str, peer: Any) -> None:
+    def _on_peer(self, kind: str, peer: Peer) -> None:
         if kind == "removed":
             self._probed.pop(peer.node_id, None)
             self._queue.put(FleetChange("removed", _card(peer, None, None, "")))
@@ -226,7 +230,7 @@ class FleetWatcher:
 
         asyncio.get_running_loop().create_task(self._report(kind, peer))
 
-    async def _report(self, kind: str, peer: Any, force: bool = False) -> None:
+    async def _report(self, kind: str, peer: Peer, force: bool = False) -> None:
         last = self._probed.get(peer.node_id)
         if force or last is None or time.monotonic() - last[0] > self.PROBE_EVERY_S:
             result = await _probe(self._keys, peer)
