@@ -200,12 +200,14 @@ def test_default_context():
 
 
 def test_one_context_default_for_engines_and_planner(copy_demo):
-    """A 128k model: the local engine serves, and the planner plans, the same default context
-    (engine_context, the one rule), and both take a context that was asked for."""
+    """A 128k model: the local engines (the paged default and the loop) serve, and the planner
+    plans, the same default context (engine_context, the one rule), and take a context that was
+    asked for."""
     import json
 
     from engine.models.profile import DEFAULT_CONTEXT, engine_context, trained_context
     from engine.planner.plan import DeviceProfile, PeerProfile, PlanModel, PlanRequest, auto_plan
+    from engine.local.factory import open_whole_model
     from engine.scheduler.loop import LocalEngine
 
     model = copy_demo("demo", "long-context")
@@ -218,12 +220,15 @@ def test_one_context_default_for_engines_and_planner(copy_demo):
     plan = auto_plan(PlanModel.from_profile(profile_model(model)), [peer], PlanRequest())
     engine = LocalEngine(model, "long-context", backend="torch")
     asked = LocalEngine(model, "long-context", backend="torch", context_length=10_000)
+    paged = open_whole_model(model, "long-context", precision="f32")  # what `--engine local` opens
     try:
-        assert engine.info.context_length == plan.context_length == DEFAULT_CONTEXT
+        assert type(paged).__name__ == "PagedEngine"
+        assert engine.info.context_length == paged.info.context_length == plan.context_length == DEFAULT_CONTEXT
         assert asked.info.context_length == 10_000
     finally:
         engine.close()
         asked.close()
+        paged.close()
 
 
 def test_bf16_safetensors_dtype_label(copy_demo):

@@ -20,12 +20,19 @@ STEP_S = 3.0  # one step's compute: longer than the coordinator's ping timeout
 
 
 class _SlowStream:
-    def reset(self) -> None:
-        pass
+    """A ShardStream as the worker uses it (reset, step, state.mask), whose step takes STEP_S."""
 
-    def run(self, feed):  # releases the GIL like OpenVINO's infer()
+    def __init__(self) -> None:
+        from engine.runtime.kv_state import VisibleMask
+
+        self.state = SimpleNamespace(mask=VisibleMask())
+
+    def reset(self) -> None:
+        self.state.mask.reset()
+
+    def step(self, inputs, n):  # releases the GIL like OpenVINO's infer()
         time.sleep(STEP_S)
-        n = feed["input_ids"].shape[1]
+        self.state.mask.commit(n)
         return {"next_token": np.full((1, n), 7, np.int64), "logits": np.zeros((1, n, 16), np.float32)}
 
 
