@@ -35,6 +35,8 @@ on a Xeon with AMX (seen 2026-12-05: the demo IR and every pipeline shard; f32 a
 two threads run; a lone MatMul, MLP or SDPA does not reproduce it). A CPU compile that
 would run on one thread at the plugin's bf16 default therefore computes in f32
 (single_thread_precision); an explicit "bf16" on one thread is refused with its reason.
+An AMD EPYC with AVX-512-bf16 and no AMX ran the same one-thread bf16 shards (the suite passed
+there): a CPU known to lack AMX keeps bf16.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def compile_config(device: str, precision: str = "default", cache_dir: Path | No
     if threads:
         cfg["INFERENCE_NUM_THREADS"] = int(threads)
     if _plain(device) == "CPU":
-        effective = single_thread_precision(precision, threads or allowed_cpus(), cpu_capabilities)
+        effective = single_thread_precision(precision, threads or allowed_cpus(), cpu_capabilities, cpu_has_amx)
         if effective != precision:
             log.warning("one CPU thread at bf16 crashes OpenVINO 2026.4's CPU plugin: computing in %s", effective)
             cfg["INFERENCE_PRECISION_HINT"] = effective
@@ -128,15 +130,30 @@ def cpu_capabilities() -> Sequence[str]:
     return tuple(ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
 
 
-def single_thread_precision(precision: str, threads: int, capabilities: Any = cpu_capabilities) -> str:
-    """The precision a CPU compile may use on `threads` threads: `precision`, except that
-    one thread never computes in bf16 (see the module doc): the plugin's bf16 default
-    becomes "f32", an explicit "bf16" is a CompileConfigError. capabilities: the plugin's
-    OPTIMIZATION_CAPABILITIES, or a function returning them (asked only when it matters)."""
+def cpu_has_amx() -> bool | None:
+    """Whether the CPU has AMX (Linux: the amx_bf16 flag of /proc/cpuinfo); None where the OS
+    does not say, which single_thread_precision treats as "it may"."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), None)
+    return None if flags is None else "amx_bf16" in flags.split()
+
+
+def single_thread_precision(precision: str, threads: int, capabilities: Any = cpu_capabilities,
+                            amx: Any = cpu_has_amx) -> str:
+    """The precision a CPU compile may use on `threads` threads: `precision`, except that one
+    thread never computes in bf16 on a CPU that has AMX, or may (see the module doc): the
+    plugin's bf16 default becomes "f32", an explicit "bf16" is a CompileConfigError.
+    capabilities: the plugin's OPTIMIZATION_CAPABILITIES; amx: cpu_has_amx()'s answer; each a
+    value or a function returning it (asked only when it matters)."""
     if threads != 1 or precision not in ("default", "bf16"):
         return precision
+    if (amx() if callable(amx) else amx) is False:  # AVX-512-bf16 without AMX runs it
+        return precision
     if precision == "bf16":
-        raise CompileConfigError("bf16 on one CPU thread crashes OpenVINO 2026.4's CPU plugin: "
+        raise CompileConfigError("bf16 on one CPU thread crashes OpenVINO 2026.4's CPU plugin on AMX CPUs: "
                                  "use f32 or more threads")
     caps = capabilities() if callable(capabilities) else capabilities
     return "f32" if "BF16" in caps else precision

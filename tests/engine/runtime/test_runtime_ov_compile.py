@@ -75,23 +75,43 @@ def test_unknown_precision_is_refused_with_a_code() -> None:
     assert e.value.code == "unknown-precision" and "int3" in str(e.value)
 
 
-def test_one_thread_never_computes_in_bf16(monkeypatch) -> None:
-    """OpenVINO 2026.4's CPU plugin dies with SIGFPE running bf16 on one thread (AMX Xeons):
-    where the plugin's default math is bf16, a one-thread CPU compile asks for f32; an explicit
-    bf16 on one thread is refused; more threads, f32/f16, GPUs and CPUs without bf16 are untouched."""
+def test_one_thread_never_computes_in_bf16_on_amx(monkeypatch) -> None:
+    """OpenVINO 2026.4's CPU plugin dies with SIGFPE running bf16 on one thread on AMX Xeons:
+    where the plugin's default math is bf16 and the CPU has AMX (or cannot tell), a one-thread
+    CPU compile asks for f32; an explicit bf16 on one thread is refused there; more threads,
+    f32/f16, GPUs, CPUs without bf16 and bf16 CPUs known to lack AMX are untouched."""
     from engine.runtime import ov_compile
     from engine.runtime.ov_compile import single_thread_precision
 
     bf16_cpu, avx2_cpu = ("BF16", "FP32", "INT8"), ("FP32", "INT8")
-    assert single_thread_precision("default", 1, bf16_cpu) == "f32"
-    assert single_thread_precision("default", 1, avx2_cpu) == "default"
-    assert single_thread_precision("default", 2, bf16_cpu) == "default"
-    assert single_thread_precision("f16", 1, bf16_cpu) == "f16"
+    assert single_thread_precision("default", 1, bf16_cpu, amx=True) == "f32"
+    assert single_thread_precision("default", 1, bf16_cpu, amx=None) == "f32"  # cannot tell: the safe side
+    assert single_thread_precision("default", 1, bf16_cpu, amx=False) == "default"
+    assert single_thread_precision("bf16", 1, bf16_cpu, amx=False) == "bf16"
+    assert single_thread_precision("default", 1, avx2_cpu, amx=True) == "default"
+    assert single_thread_precision("default", 2, bf16_cpu, amx=True) == "default"
+    assert single_thread_precision("f16", 1, bf16_cpu, amx=True) == "f16"
     with pytest.raises(CompileConfigError, match="one CPU thread"):
-        single_thread_precision("bf16", 1, bf16_cpu)
+        single_thread_precision("bf16", 1, bf16_cpu, amx=True)
     monkeypatch.setattr(ov_compile, "cpu_capabilities", lambda: bf16_cpu)
+    monkeypatch.setattr(ov_compile, "cpu_has_amx", lambda: True)
     assert compile_config("CPU", threads=1)["INFERENCE_PRECISION_HINT"] == "f32"
     assert "INFERENCE_PRECISION_HINT" not in compile_config("CPU", threads=2)
     assert "INFERENCE_PRECISION_HINT" not in compile_config("GPU", threads=1)
     monkeypatch.setattr(ov_compile, "allowed_cpus", lambda: 1)  # as under `taskset -c 0`
     assert compile_config("CPU")["INFERENCE_PRECISION_HINT"] == "f32"
+    monkeypatch.setattr(ov_compile, "cpu_has_amx", lambda: False)
+    assert "INFERENCE_PRECISION_HINT" not in compile_config("CPU")
+
+
+def test_this_machine_says_whether_it_has_amx() -> None:
+    """On Linux the answer comes from /proc/cpuinfo's flags (a bool, never a guess)."""
+    import sys
+
+    from engine.runtime.ov_compile import cpu_has_amx
+
+    if sys.platform.startswith("linux"):
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        assert cpu_has_amx() is ("amx_bf16" in flags)
+    else:
+        assert cpu_has_amx() in (True, False, None)
