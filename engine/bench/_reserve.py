@@ -10,7 +10,7 @@ For each model size and weight precision a middle shard (layers [2, 6) of an
 It prints RssAnon (/proc/PID/status: anonymous memory, what a cgroup cap and
 the OOM killer count; mapped IR file pages are reclaimable and excluded) at
 each step, and `RssAnon - shard bytes` = the runtime reserve the planner adds
-to a stage (engine/planner/plan.py RUNTIME_RESERVE_*). Two sizes separate a
+to a stage (engine/planner/memory.py RUNTIME_RESERVE_*). Two sizes separate a
 fixed part from one proportional to the weights (a least-squares line per
 precision). With --kv-tokens, the stream then prefills in --chunk-token chunks
 up to that many tokens: the RssAnon slope per token of context is KV + prefill

@@ -102,7 +102,7 @@ class Decision:
 @dataclass(frozen=True)
 class StartNeed:
     """What a worker will hold, sized by the agent before it starts one (the same
-    memory model as the planner's stage, engine/planner/plan.py)."""
+    memory model as the planner's stage, engine/planner/memory.py)."""
 
     weights: int  # the shard's bytes the worker holds (less an embedding read from the mapped file)
     kv: int  # KV for context x streams tokens over its layers, at the runtime's KV width and peak
