@@ -17,6 +17,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSize
 from PySide6.QtGui import QColor, QIcon, QPainter, QPalette, QPixmap
+from PySide6.QtWidgets import QScrollArea, QVBoxLayout, QWidget
 from PySide6.QtSvg import QSvgRenderer
 
 ICON_DIR = Path(__file__).resolve().parent.parent / "assets" / "icons"
@@ -209,3 +210,18 @@ QToolTip {{ background: {SURFACE}; color: {TEXT}; border: 1px solid {BORDER}; pa
 
 
 apply("light")
+
+
+def scrolling_page(page: QWidget) -> QVBoxLayout:
+    """Give a view its page body inside a vertical scroll area (small windows, large fonts);
+    returns the body's layout, with the views' margins."""
+    outer = QVBoxLayout(page)
+    outer.setContentsMargins(0, 0, 0, 0)
+    scroll = QScrollArea()
+    scroll.setWidgetResizable(True)
+    body = QWidget()
+    scroll.setWidget(body)
+    outer.addWidget(scroll)
+    root = QVBoxLayout(body)
+    root.setContentsMargins(24, 18, 24, 18)
+    return root

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
-    QComboBox, QGroupBox, QHBoxLayout, QLabel, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
+    QComboBox, QGroupBox, QHBoxLayout, QLabel, QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
 from app import style
@@ -78,15 +78,7 @@ class PlanView(QWidget):
 
     # -- layout ---------------------------------------------------------------------------
     def _build(self) -> None:
-        outer = QVBoxLayout(self)
-        outer.setContentsMargins(0, 0, 0, 0)
-        scroll = QScrollArea()
-        scroll.setWidgetResizable(True)
-        body = QWidget()
-        scroll.setWidget(body)
-        outer.addWidget(scroll)
-        root = QVBoxLayout(body)
-        root.setContentsMargins(24, 18, 24, 18)
+        root = style.scrolling_page(self)
 
         head = QHBoxLayout()
         head.addWidget(QLabel("Plan", objectName="title"))

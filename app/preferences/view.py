@@ -13,9 +13,10 @@ from PySide6.QtCore import QUrl, Signal
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (
     QButtonGroup, QCheckBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
-    QPushButton, QRadioButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget,
+    QPushButton, QRadioButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
+from app import style
 from app.background import Runner
 from app.preferences.policy_form import PolicyForm
 from app.session import EngineSession
@@ -36,15 +37,7 @@ class SettingsView(QWidget):
         self._busy = False
         self._failed_for = None  # (port, engine) whose start failed
 
-        outer = QVBoxLayout(self)
-        outer.setContentsMargins(0, 0, 0, 0)
-        scroll = QScrollArea()
-        scroll.setWidgetResizable(True)
-        body = QWidget()
-        scroll.setWidget(body)
-        outer.addWidget(scroll)
-        root = QVBoxLayout(body)
-        root.setContentsMargins(24, 18, 24, 18)
+        root = style.scrolling_page(self)
         root.addWidget(QLabel("Settings", objectName="title"))
 
         look = QGroupBox("Appearance")

@@ -377,12 +377,7 @@ def _load_tokenizer(model_path: Path) -> Any:
 
 
 def _break_engine(engine: Any, reason: str) -> None:
-    """End every request of the engine with reason and refuse new ones."""
-    brk = getattr(engine, "break_ring", None)
-    if brk is None:
-        return
-    if not getattr(engine, "broken", None):
-        brk(reason)
-    wake = getattr(engine, "wake", None)
-    if wake is not None:
-        wake()
+    """End every request of the engine (a PipelineEngine) with reason and refuse new ones."""
+    if not engine.broken:
+        engine.break_ring(reason)
+    engine.wake()

@@ -24,14 +24,31 @@ TOKENIZER_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")  # token
 _MAX_HEADER = 100 << 20
 
 
+_SEEN: dict[tuple, str] = {}  # (folder, its files' names, sizes and times) -> fingerprint
+
+
 def model_fingerprint(model_path: Path | str) -> str:
+    """The folder's fingerprint; read once per process while its files stay as they were (a
+    launch asks for it to resolve, export and key the shards of the same model)."""
     model_path = Path(model_path)
+    files = sorted(p for p in model_path.iterdir() if p.is_file())
+    key = (str(model_path.resolve()), tuple((p.name, *_stamp(p)) for p in files))
+    if key not in _SEEN:
+        _SEEN[key] = _read_fingerprint(model_path, files)
+    return _SEEN[key]
+
+
+def _stamp(p: Path) -> tuple[int, int]:
+    st = p.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _read_fingerprint(model_path: Path, files: list[Path]) -> str:
     h = hashlib.sha256()
     h.update((model_path / "config.json").read_bytes())
     demo = model_path / "flotilla-demo.json"
     if demo.exists():
         h.update(json.loads(demo.read_text()).get("fingerprint", "").encode())
-    files = sorted(p for p in model_path.iterdir() if p.is_file())
     for p in files:  # the tokenizer and generation settings are the model too
         if p.suffix in TOKENIZER_SUFFIXES and p.name != "config.json":
             h.update(f"{p.name}:{p.stat().st_size}".encode())
