@@ -44,7 +44,9 @@ PHOW = "`flotilla bench prompt-cache` (0.9 B random Llama, bf16, default precisi
 
 PP = "prompt-cache-pipeline"
 PPHOW = ("`flotilla bench prompt-cache --engine pipeline` (the same model and history, "
-         "2 local stage processes)")
+         "2 local stage processes, default precision: on CPU bf16 compute where it has it, u8 KV cache)")
+PPF = "prompt-cache-pipeline-f32"
+PPFHOW = "`flotilla bench prompt-cache --engine pipeline --precision f32` (the same, exact f32 math and KV)"
 
 PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long history", "measured", "how"), (
     Row("history (turn 1's prompt) / turn 2's prompt", "{%s:rounds.0.history_tokens|int} / "
@@ -63,7 +65,12 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
         "{%s:turn1_ttft_s|f2} s / {%s:turn2_ttft_s|f2} s / {%s:turn2_uncached_ttft_s|f2} s" % (PP, PP, PP), PPHOW),
     Row("2-stage pipeline: turn 2 cached over turn 1 (goal ≤ 0.3×); over turn 2 uncached",
         "{%s:turn2_over_turn1|x}; {%s:cached_over_uncached|x}" % (PP, PP), PPHOW),
-    Row("2-stage pipeline: cached and uncached answers identical (greedy)", "{%s:goal.identical}" % PP, PPHOW),
+    Row("2-stage pipeline, exact f32: cached and uncached answers identical (greedy)",
+        "{%s:goal.identical} ({%s:identical_rounds|int} of {%s:round_count|int} rounds); turn 2 cached over turn 1 "
+        "{%s:turn2_over_turn1|x}" % (PPF, PPF, PPF, PPF), PPFHOW),
+    Row("2-stage pipeline, default precision: rounds whose cached answer is the uncached one; "
+        "equal tokens (16 a round)", "{%s:identical_rounds|int} of {%s:round_count|int}; {%s:same_tokens|pct}"
+        % (PP, PP, PP), PPHOW),
 ))
 
 S = "serve"
