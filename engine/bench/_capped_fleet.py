@@ -259,7 +259,7 @@ def run_capped_fleet(model_path: Path, precision: str, caps: CapRule, *, context
                     group_of[st.peer.node_id].set_limit(cap)
                     caps_set[st.peer.node_id] = cap
                     agent_at_cap[st.peer.node_id] = agent_bytes
-                say(f"  caps set from the plan: " + ", ".join(
+                say("  caps set from the plan: " + ", ".join(
                     f"stage {st.index} {caps_set[st.peer.node_id] / 1e9:.2f} GB" for st in session.stages))
 
         def on_stage(step: Any) -> None:  # engine.fleet.launch_reports.StageProgress: fields, not words

@@ -1,6 +1,7 @@
 """Random-weight checkpoints with the layer shapes of published models, built by streaming.
 
-`flotilla bench scale` needs a model of real size (Llama-3.1-8B: 16 GB in bf16) as a user
+The one builder of every benchmark's random checkpoint (scale, moe, sparse, and the random
+Llamas of local, serve and prompt-cache: PRESETS). `flotilla bench scale` needs a model of real size (Llama-3.1-8B: 16 GB in bf16) as a user
 downloads it: several bf16 safetensors files, model.safetensors.index.json, a config.json
 of the real transformers config class and a tokenizer. No hub is reachable, so the weights
 are random (seeded, so the same spec always gives the same bytes) and the tokenizer is the
@@ -73,6 +74,10 @@ class CheckpointSpec:
     top_k: int = 0  # experts per token
     expert_intermediate: int = 0  # one expert's FFN width (Qwen3 moe_intermediate_size)
     head_dim_override: int = 0  # Qwen3: head_dim is not hidden / heads (0: hidden / heads)
+    # The demo tokenizer padded to vocab_size with plain tokens, so every id the random model
+    # can emit detokenizes (openvino_genai's detokenizer and transformers' agree on each one):
+    # what the side-by-side benchmarks with openvino_genai need. Left False, not in the digest.
+    pad_tokenizer: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -80,7 +85,7 @@ class CheckpointSpec:
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every weight, in the order transformers saves them."""
-        h, i = self.hidden_size, self.intermediate_size
+        h = self.hidden_size
         q, kv, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
         out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab_size, h))]
         for n in range(self.num_layers):
@@ -170,7 +175,7 @@ class CheckpointSpec:
         from engine.models.demo import _corpus_digest
 
         spec = asdict(self)
-        for name, default in _MOE_DEFAULTS.items():  # dense specs hash as they did before these fields
+        for name, default in _LATER_DEFAULTS.items():  # older specs hash as they did before these fields
             if spec[name] == default:
                 del spec[name]
         blob = json.dumps({"v": CHECKPOINT_FORMAT, "spec": spec, "corpus": _corpus_digest(),
@@ -182,8 +187,8 @@ class CheckpointSpec:
         return replace(self, **changes)
 
 
-_MOE_DEFAULTS = {"arch": "llama", "num_experts": 0, "top_k": 0, "expert_intermediate": 0,
-                 "head_dim_override": 0}
+_LATER_DEFAULTS = {"arch": "llama", "num_experts": 0, "top_k": 0, "expert_intermediate": 0,
+                   "head_dim_override": 0, "pad_tokenizer": False}
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -210,6 +215,29 @@ MIXTRAL_8X7B = CheckpointSpec("mixtral-8x7b-shape", hidden_size=4096, intermedia
                               num_heads=32, num_kv_heads=8, vocab_size=32000, rope_theta=1000000.0,
                               max_position_embeddings=32768, arch="mixtral", num_experts=8, top_k=2,
                               expert_intermediate=14336, max_file_bytes=4 * 10**9)
+
+
+# Random Llamas of the local-engine benchmarks (`bench local`, `serve`, `prompt-cache`): the
+# local engine side by side with openvino_genai, so their tokenizer covers the vocabulary.
+# 0.90 B parameters, 1.8 GB in bf16 (Llama-3.2-1B's widths, 16 layers, a 32k vocabulary).
+RANDOM_LLAMA_0_9B = CheckpointSpec("random-llama-0.9b", hidden_size=2048, intermediate_size=6144, num_layers=16,
+                                   num_heads=32, num_kv_heads=8, vocab_size=32000, rope_theta=10000.0,
+                                   max_position_embeddings=4096, seed=14, max_file_bytes=1 << 30,
+                                   pad_tokenizer=True)
+PRESETS: dict[str, CheckpointSpec] = {
+    "random-llama-0.9b": RANDOM_LLAMA_0_9B,
+    # a few MB: what the benchmarks' own tests run
+    "random-llama-tiny": RANDOM_LLAMA_0_9B.scaled(name="random-llama-tiny", hidden_size=128, intermediate_size=256,
+                                                  num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=4096),
+}
+
+
+def bench_model(spec: str, report: Callable[[str], None] | None = None) -> str:
+    """A benchmark's --model: a preset's folder (built first if missing), else the spec as given
+    (a demo id or a model folder, resolved by the engine)."""
+    if spec in PRESETS:
+        return str(ensure_checkpoint(PRESETS[spec], report=report))
+    return spec
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -328,18 +356,46 @@ def _remove_orphans(target: Path) -> None:
             pass
 
 
+def padded_tokenizer(vocab: int):
+    """The demo BPE tokenizer with its vocabulary padded to `vocab` entries.
+
+    The padding entries go into the BPE vocabulary itself (no merge produces them, so
+    encoding is unchanged; decoding knows them). As added tokens, 30 k of them would
+    make every tokenizer load take seconds, which would be measured as engine load."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.models.demo import _tokenizer
+
+    base = _tokenizer("demo")
+    spec = json.loads(base.backend_tokenizer.to_str())
+    table = spec["model"]["vocab"]
+    size = max(len(base), max(table.values()) + 1)
+    if vocab < size:
+        raise CheckpointError("bad_spec", f"vocab {vocab} is smaller than the demo tokenizer ({size})")
+    for i in range(size, vocab):
+        table[f"<r{i}>"] = i  # printable ASCII: the byte-level decoder maps it to itself
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                  eos_token=base.eos_token, pad_token=base.pad_token, bos_token=None,
+                                  clean_up_tokenization_spaces=False)
+    tok.chat_template = base.chat_template
+    return tok
+
+
 def _build(spec: CheckpointSpec, out: Path, say: Callable[[str], None]) -> None:
     import transformers
 
     from engine.models.demo import _tokenizer
 
     t0 = time.monotonic()
-    tok = _tokenizer("demo")
-    config = getattr(transformers, spec.config_class)(**spec.config(tok.convert_tokens_to_ids("<|im_end|>"),
-                                                                    tok.convert_tokens_to_ids("<|endoftext|>")))
+    tok = padded_tokenizer(spec.vocab_size) if spec.pad_tokenizer else _tokenizer("demo")
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    config = getattr(transformers, spec.config_class)(**spec.config(eos, pad))
     config.architectures = [spec.config_class.replace("Config", "ForCausalLM")]
     config.dtype = "bfloat16"
     config.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": eos,
+                                                            "pad_token_id": pad}, indent=2))
     tok.save_pretrained(out)
     layout = file_layout(spec)
     names = [f"model-{k + 1:05d}-of-{len(layout):05d}.safetensors" for k in range(len(layout))]

@@ -39,13 +39,15 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
                                 sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(conc) as pool:
-            finals = list(pool.map(lambda r: list(engine.stream(engine.submit(r)))[-1], reqs))
+            answers = list(pool.map(lambda r: list(engine.stream(engine.submit(r))), reqs))
         wall = time.perf_counter() - t0
         st = engine.stats()
         io_info = engine.store.io_info()
         cache_budget = engine.memory["cache_budget_bytes"]
+        compute = engine.memory["compute"]
     finally:
         engine.close()
+    finals = [events[-1] for events in answers]
     for f in finals:
         if f.error:
             raise RuntimeError(f"{sched}: request failed: {f.error}")
@@ -58,7 +60,17 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
             "mean_batch": st["mean_batch"],
             "disk_mb_s_busy": st["bytes_read"] / 1e6 / st["io_busy_s"] if st["io_busy_s"] else 0.0,
             "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall,
-            "compute_s_per_token": st["compute_s"] / out_tokens, "cache_budget_mb": cache_budget / 1e6}, io_info
+            "compute_s_per_token": st["compute_s"] / out_tokens, "cache_budget_mb": cache_budget / 1e6,
+            # not figures: what the answers were and how the matmuls ran (moe.py compares the answers)
+            "token_ids": [[t for e in events for t in e.token_ids] for events in answers],
+            "compute": compute}, io_info
+
+
+def same_tokens(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions where two runs' answers (request by request) hold the same token."""
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    total = max(sum(map(len, a)), sum(map(len, b)), 1)
+    return sum(x == y for x, y in pairs) / total
 
 
 def capped_run(cell: dict[str, Any], cap: int) -> tuple[dict[str, float], dict[str, Any]]:

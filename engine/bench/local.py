@@ -16,7 +16,7 @@
 
 Everything but the side-by-side model runs against a fresh cache folder of its
 own, so the user's cache is neither used nor touched; the side-by-side model
-(built deterministically, engine/bench/_local_llama.py) and its IR are too big
+(built deterministically, engine/bench/_checkpoint.py) and its IR are too big
 to rebuild per run and live in the user's cache (FLOTILLA_CACHE or the user
 cache folder). Repeats are medians; each repeat's figures are kept.
 The demo models have random weights: an answer may end at EOS before
@@ -148,12 +148,12 @@ def engine_figures(cache: Path, model: str, tokens: int, repeats: int) -> dict[s
 def memory_figures(spec: str, tokens: int, repeats: int, processes: int, rounds: int,
                    report: Callable[[str], None]) -> dict[str, Any]:
     """The local engine and openvino_genai side by side on the IR of `spec` (user's cache)."""
-    from engine.bench._local_llama import PRESETS, ensure_random_llama
+    from engine.bench._checkpoint import PRESETS, ensure_checkpoint
     from engine.bench._local_memory import side_by_side
     from engine.runtime.ov_backend import ensure_ir
 
     if spec in PRESETS:
-        src = ensure_random_llama(PRESETS[spec], report)
+        src = ensure_checkpoint(PRESETS[spec], report=report)
     else:
         from engine.models.ref import resolve_model
 

@@ -29,7 +29,10 @@ figures are medians over repeats.
 
 Reported per scheduler and concurrency: aggregate tok/s, time per output
 token (per request, after its first token), cache hit rate and bytes read per
-output token; at 16 requests the speedups of bevy over on_demand and over
+output token, the share of tokens equal to on_demand's answers to the same
+requests (`same_tokens_as_on_demand`: 1.0 when the matmuls run widened to f32, where
+every scheduler computes the same; with native 16-bit matmuls, `compute`, rows batched
+differently round differently and a random model's near ties can part); at 16 requests the speedups of bevy over on_demand and over
 prefetch; and the overlap bound: max(compute, I/O) per token, where compute
 is the all-resident run's time per token and I/O is bevy's bytes per token
 over the disk bandwidth measured with the same reader, with each scheduler's
@@ -57,7 +60,8 @@ from typing import Any, Callable
 
 from engine.bench._io_figures import io_figures, refuse_speedups, speedup_refusal
 from engine.bench._moe_models import demo_model, real_model, synthetic_model
-from engine.bench._moe_runs import CONTEXT, above_setup_cap, capped_above_setup, capped_run, disk_bandwidth, one_run
+from engine.bench._moe_runs import (CONTEXT, above_setup_cap, capped_above_setup, capped_run, disk_bandwidth,
+                                    one_run, same_tokens)
 
 NAME = "moe"
 HELP = "MoE expert offloading: Bevy scheduler vs on-demand, prefetch and all-resident"
@@ -157,6 +161,12 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
 
     store.close()
     disk = statistics.median(disks)
+    computes = sorted({r.pop("compute") for runs in cells.values() for r in runs})
+    answers = {key: [r.pop("token_ids") for r in runs] for key, runs in cells.items()}
+    for (sched, conc), runs in cells.items():  # quality beside speed: the same answers as on_demand's?
+        ref = answers.get(("on_demand", conc))
+        for i, r in enumerate(runs):
+            r["same_tokens_as_on_demand"] = round(same_tokens(answers[(sched, conc)][i], ref[i]), 4) if ref else 1.0
     table: dict[str, dict[str, dict[str, float]]] = {}
     for (sched, conc), runs in cells.items():
         table.setdefault(sched, {})[str(conc)] = {k: round(statistics.median(r[k] for r in runs), 4)
@@ -181,6 +191,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         "io": io_rec, "o_direct": io_rec["effective"] != "buffered", "disk_mb_s": round(disk / 1e6, 1),
         "disk_mb_s_per_repeat": [round(d / 1e6, 1) for d in disks],
         "tokens_per_request": tokens, "repeats": repeats, "results": table,
+        # how the matmuls ran: the weights' 16-bit dtype ("bf16": native, on a CPU with a bf16
+        # kernel) or "f32" (widened first: exact, every scheduler's answer the same)
+        "compute": computes[0] if len(computes) == 1 else computes,
     }
     top = str(max(concs))
     if all(s in table and top in table[s] for s in ("bevy", "on_demand", "prefetch")):

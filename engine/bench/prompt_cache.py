@@ -52,11 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model(spec: str, report: Callable[[str], None]) -> str:
-    from engine.bench._local_llama import PRESETS, ensure_random_llama
+    from engine.bench._checkpoint import bench_model
 
-    if spec in PRESETS:
-        return str(ensure_random_llama(PRESETS[spec], report))
-    return spec
+    return bench_model(spec, report)
 
 
 def _corpus_ids(tokenizer: Any) -> list[int]:

@@ -36,6 +36,7 @@ from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, decode_one, finished
+from engine.runtime.stored import STORAGE_DTYPES, native_matmul
 from engine.core.interface import EngineError, EngineInfo
 from engine.scheduler.inbox import InboxEngine, refuse_waiting
 from engine.runtime import tool_format
@@ -58,6 +59,18 @@ class MoEConfig:
     prefill_chunk: int = 256  # prompt tokens per pass
     torch_threads: int | None = None  # None: cores - 1 (one core left for I/O and hashing)
     context_length: int | None = None  # cap on prompt + answer; None = the model's, at most DEFAULT_CONTEXT
+    # "native": 16-bit weights multiply in their own dtype (f32 accumulation); "f32": widened to
+    # f32 first, exact against transformers in f32; "auto": native where this CPU's torch has a
+    # 16-bit kernel (AVX512-BF16, AMX) and KV is not f32 (exact mode), else f32
+    compute: str = "auto"
+
+    def native_compute(self, weight_dtype: torch.dtype) -> bool:
+        """Whether matmuls run native (see `compute`) for weights of this dtype."""
+        if self.compute not in COMPUTES:
+            raise EngineError(f"compute must be one of {', '.join(COMPUTES)}, not {self.compute!r}")
+        if self.compute == "auto":
+            return self.kv_precision != "f32" and native_matmul(weight_dtype)
+        return self.compute == "native"
 
     @classmethod
     def from_options(cls, options: Any) -> "MoEConfig":
@@ -73,6 +86,7 @@ class MoEConfig:
 
 
 KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
+COMPUTES = ("auto", "native", "f32")
 
 
 class _NoStream:
@@ -108,8 +122,10 @@ class MoEEngine(InboxEngine):
         try:
             self.context_length = engine_context(store_dir, config.context_length)
             report("loading the resident weights", 0.3)
+            native = config.native_compute(STORAGE_DTYPES.get(self.store.index.dtype, torch.float32))
             self.model = MoEModel(store_dir, self.store.index, kv_slots=config.max_concurrent,
-                                  kv_capacity=self.context_length, kv_dtype=KV_DTYPES[config.kv_precision])
+                                  kv_capacity=self.context_length, kv_dtype=KV_DTYPES[config.kv_precision],
+                                  native=native)
             budget = config.cache_budget_bytes
             if config.scheduler == "resident":  # the upper bound: every expert in RAM
                 budget = self.store.index.total_expert_bytes
@@ -123,7 +139,8 @@ class MoEEngine(InboxEngine):
                 raise EngineError(str(e)) from None
             self.memory = {"resident_bytes": self.model.resident_bytes(), "kv_reserve_bytes": self.model.kv.nbytes,
                            "cache_budget_bytes": budget, "working_bytes": working, "kv_precision": config.kv_precision,
-                           "weights": self.store.index.dtype}
+                           "weights": self.store.index.dtype,
+                           "compute": self.store.index.dtype if native else "f32"}
             if config.scheduler == "resident":
                 report("loading every expert", 0.6)
                 self.cache.preload(self.store, self.store.keys)

@@ -121,10 +121,11 @@ class KVPool:
 
 class MoEModel:
     def __init__(self, store_dir: Path, index: StoreIndex, kv_slots: int = 4, kv_capacity: int = 4096,
-                 kv_dtype: torch.dtype = torch.float16) -> None:
+                 kv_dtype: torch.dtype = torch.float16, native: bool = False) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.index = index
+        self.native = native  # 16-bit weights multiply in their own dtype (engine/runtime/stored.py)
         config = AutoConfig.from_pretrained(store_dir)
         config._attn_implementation = "sdpa"
         self.config = config
@@ -157,6 +158,9 @@ class MoEModel:
             bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])
             self.qkv.append(StoredLinear(torch.cat([q.weight, k.weight, v.weight]), scale, bias))
             a.q_proj = a.k_proj = a.v_proj = None
+        for m in list(self.model.modules()) + self.qkv:
+            if isinstance(m, StoredLinear):
+                m.native = native
         self._split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         rope = self.model.model.rotary_emb
         self._rope_static = getattr(rope, "rope_type", "default") == "default"
@@ -337,8 +341,9 @@ class MoEModel:
             rows = parts[0][0].h.index_select(0, picks[0][0])  # [m, H]
         else:
             rows = torch.cat([b.h.index_select(0, p[0]) for (b, _), p in zip(parts, picks)])
-        gate, up = linear(rows, views["gate_up"], views.get("gate_up_scale")).chunk(2, dim=-1)  # [m, I] each
-        out = linear(self.act(gate) * up, views["down"], views.get("down_scale"))  # [m, H]
+        gate, up = linear(rows, views["gate_up"], views.get("gate_up_scale"),
+                          native=self.native).chunk(2, dim=-1)  # [m, I] each
+        out = linear(self.act(gate) * up, views["down"], views.get("down_scale"), native=self.native)  # [m, H]
         start = 0
         for (b, _), (r, f) in zip(parts, picks):
             m = len(r)

@@ -270,16 +270,11 @@ def _mixed_forward(self, x):
 def mixed_linear(x, w):
     """x (f32) times a weight in its own dtype: 16-bit weights are used as they are
     (x rounded to the weight dtype, f32 accumulation in the kernel, f32 result),
-    the way llama.cpp computes with f16/bf16 weights. No f32 copy of w is made."""
-    import torch
+    the way llama.cpp computes with f16/bf16 weights. No f32 copy of w is made
+    (engine/runtime/stored.py's native matmul)."""
+    from engine.runtime.stored import linear
 
-    if w.dtype == torch.float32:
-        return torch.nn.functional.linear(x, w)
-    # x in fresh, row-major storage: a strided x (transformers' last-position slice
-    # hidden[:, -1:, :] keeps the stride of its sequence) sends torch's 16-bit linear down
-    # a path that copies the whole weight -- 1 GB for Llama-3-8B's head, on every prefill
-    xw = torch.empty(x.shape, dtype=w.dtype).copy_(x)
-    return torch.nn.functional.linear(xw, w).float()
+    return linear(x, w, native=True)
 
 
 def _module_base():

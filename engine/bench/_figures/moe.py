@@ -45,7 +45,28 @@ def _headline(src: str) -> Table:
             f"(goal {f('goals.speedup_vs_prefetch', 'x')}; I/O: {{{src}:io.effective}})", how),
         Row("disk, the engine's reader (4 threads, median of a run's repeats)", f"{f('disk_mb_s', 'f0')} MB/s", how),
         Row("wall time of one run", f"{f('wall_s', 'f0')} s", how),
+        *(_quality(src) if src in MEASURES_QUALITY else ()),
     ))
+
+
+# Sources whose runs record how the matmuls ran and every scheduler's answers (older runs do not).
+MEASURES_QUALITY = ("moe-quick",)
+
+
+def _quality(src: str) -> tuple[Row, ...]:
+    """The quality beside the speedups: how the matmuls ran, and whether Bevy's and prefetch's
+    answers are on_demand's (the same requests, greedy)."""
+    how = SOURCES[src]
+
+    def f(path: str, fmt: str) -> str:
+        return _f(src, path, fmt)
+
+    top = "results.{s}.16.same_tokens_as_on_demand"
+    return (
+        Row("matmuls (`compute`: the weights' own 16-bit dtype, or widened to f32)", f"{{{src}:compute}}", how),
+        Row("tokens equal to on_demand's answers at 16 requests: bevy; prefetch",
+            f"{f(top.format(s='bevy'), 'pct')}; {f(top.format(s='prefetch'), 'pct')}", how),
+    )
 
 
 def _result_row(src: str, sched: str, conc: str) -> Row:

@@ -248,3 +248,28 @@ def test_a_precision_without_disk_for_its_shards_is_refused_before_exporting(tmp
     assert res["export"]["stages"] == []  # nothing was started
     result = {**_passing(), "precisions": {"int8": res}}
     assert scale.judge(result, ["int8"], 64, [1]) == [f"int8: {res['error']}"]
+
+
+def test_a_padded_preset_detokenizes_every_id_and_encodes_like_the_demo_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from engine.models.demo import _tokenizer
+
+    spec = ck.PRESETS["random-llama-tiny"]
+    path = ck.ensure_checkpoint(spec, tmp_path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert len(tok) == spec.vocab_size  # openvino_genai detokenizes whatever id the model emits
+    last = spec.vocab_size - 1
+    assert tok.decode([last]) == f"<r{last}>"
+    text = "The weather in city number 7, tomorrow."
+    assert tok(text)["input_ids"] == _tokenizer("demo")(text)["input_ids"]  # encoding unchanged
+    gen = json.loads((path / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert ck.bench_model("random-llama-tiny") != "random-llama-tiny"  # a preset resolves to a folder
+    assert ck.bench_model("demo") == "demo"  # anything else is passed on
+
+
+def test_fields_added_later_keep_older_checkpoints_in_their_folders():
+    # the folder the committed `bench scale` runs built (docs/bench/scale): a user's cache stays valid
+    assert ck.checkpoint_path(ck.LLAMA_3_1_8B).name == "llama-3.1-8b-shape-db38167c4572a81e"
+    assert ck.PRESETS["random-llama-0.9b"].digest() != ck.PRESETS["random-llama-tiny"].digest()

@@ -233,3 +233,35 @@ def test_a_sharded_checkpoint_converts_and_a_missing_file_is_one_line(bf16_model
     with pytest.raises(Exception) as e:
         MoEEngine.from_spec(str(sharded), MoEConfig(torch_threads=1))
     assert "model-00002-of-00002.safetensors" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_native_compute_multiplies_in_bf16_and_stays_near_the_f32_answer(bf16_model):
+    """compute="native": the matmuls in the weights' bf16 (on any CPU; "auto" picks it only
+    where the CPU has a bf16 kernel). Same weights, bf16 rounding: close to the f32
+    reference, not equal to it; exact mode (f32 KV) keeps "auto" at f32."""
+    path, store_dir = bf16_model("qwen3_moe")
+    seen: list[np.ndarray] = []
+    cfg = MoEConfig(torch_threads=1, max_concurrent=1, context_length=64, compute="native")
+    with MoEEngine(store_dir, "t", cfg, logits_hook=lambda _sid, x: seen.append(x.copy())) as eng:
+        assert eng.memory["compute"] == "bf16" and eng.model.native
+        assert all(q.native for q in eng.model.qkv) and eng.model.model.lm_head.native
+        events = eng.generate(GenerateRequest("n", prompt=PROMPTS[0],
+                                              sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
+        tok = eng.tokenizer
+    tokens = [t for e in events for t in e.token_ids]
+    assert events[-1].error is None and len(tokens) == 4
+    ref = _reference_logits(path, tok, PROMPTS[0], tokens)
+    got = np.stack(seen)
+    assert got.shape == ref.shape
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert 0 < err < 0.05, err  # bf16 activations: a rounding, not another model
+    with MoEEngine(store_dir, "t", MoEConfig(torch_threads=1, max_concurrent=1, context_length=64,
+                                             kv_precision="f32")) as exact:
+        assert exact.memory["compute"] == "f32" and not exact.model.native
+
+
+def test_an_unknown_compute_is_one_line(bf16_model):
+    _path, store_dir = bf16_model("mixtral")
+    with pytest.raises(EngineError) as e:
+        MoEEngine(store_dir, "t", MoEConfig(torch_threads=1, max_concurrent=1, compute="fp8"))
+    assert "compute must be one of auto, native, f32" in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,75 @@
+"""engine/runtime/stored.py: the one matmul over weights kept in their storage dtype,
+widened (exact against f32) or native (in the weight's 16-bit dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.runtime.stored import BLOCK_BYTES, StoredLinear, linear, native_matmul, quantize_rows
+
+
+def _weights(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(rows, cols, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(5, cols, generator=g)
+    return w, x
+
+
+@pytest.mark.parametrize("rows", [64, 3 * BLOCK_BYTES // (4 * 256) + 7])  # one block, and several with a tail
+def test_widened_equals_f32_math_on_the_same_weights(rows):
+    w, x = _weights(rows, 256)
+    bias = torch.randn(rows)
+    got = linear(x, w, bias=bias)
+    want = torch.nn.functional.linear(x, w.float(), bias)
+    assert got.dtype == torch.float32 and got.shape == (5, rows)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_native_runs_in_the_weights_dtype_and_stays_close():
+    w, x = _weights(96, 512)
+    exact = linear(x, w)
+    native = linear(x, w, native=True)
+    assert native.dtype == torch.float32
+    # what transformers computes in bf16: activations rounded to bf16, the product rounded once
+    want = torch.nn.functional.linear(x.to(torch.bfloat16), w).float()
+    torch.testing.assert_close(native, want, rtol=0, atol=0)
+    rel = (native - exact).abs().max() / exact.abs().max()
+    assert 0 < rel < 2e-2  # bf16 rounding, not a different product
+
+
+def test_a_strided_input_gives_the_same_native_result():
+    w, x = _weights(64, 128)
+    wide = torch.randn(5, 3, 128)
+    wide[:, -1, :] = x
+    torch.testing.assert_close(linear(wide[:, -1, :], w, native=True), linear(x, w, native=True), rtol=0, atol=0)
+
+
+def test_int8_with_row_scales_is_always_widened():
+    w, x = _weights(64, 128)
+    q, scale = quantize_rows(w)
+    widened = linear(x, q, scale)
+    torch.testing.assert_close(linear(x, q, scale, native=True), widened, rtol=0, atol=0)
+    torch.testing.assert_close(widened, torch.nn.functional.linear(x, q.float() * scale[:, None]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_stored_linear_follows_its_native_flag():
+    w, x = _weights(32, 64)
+    layer = StoredLinear(w)
+    assert not layer.native
+    torch.testing.assert_close(layer(x), linear(x, w), rtol=0, atol=0)
+    layer.native = True
+    torch.testing.assert_close(layer(x), linear(x, w, native=True), rtol=0, atol=0)
+
+
+def test_native_matmul_answers_for_16_bit_dtypes_only(monkeypatch):
+    assert native_matmul(torch.float32) is False and native_matmul(torch.int8) is False
+    assert isinstance(native_matmul(torch.bfloat16), bool)
+
+    class NoOneDNN:  # a torch build without oneDNN's probes
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", NoOneDNN())
+    assert native_matmul(torch.bfloat16) is False
