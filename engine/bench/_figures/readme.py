@@ -34,7 +34,10 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{prompt-cache-pipeline:turn2_cached_tokens|int} tokens not prefilled again; time to first token "
         "{prompt-cache-pipeline:turn1_ttft_s|f1} s → {prompt-cache-pipeline:turn2_ttft_s|f1} s "
         "({prompt-cache-pipeline:turn2_over_turn1|x}); same answer as without the cache: "
-        "{prompt-cache-pipeline:goal.identical}", "`flotilla bench prompt-cache --engine pipeline`"),
+        "{prompt-cache-pipeline-f32:goal.identical} in exact f32, "
+        "{prompt-cache-pipeline:identical_rounds|int} of {prompt-cache-pipeline:round_count|int} rounds at the "
+        "default precision (u8 KV re-quantized by the take-over: docs/api.md)",
+        "`flotilla bench prompt-cache --engine pipeline` (`--precision f32`)"),
     Row("local engine vs `openvino_genai.LLMPipeline`, same IR (0.9 B random Llama), interleaved rounds "
         "in one process; ours / genai",
         "decode {local:side_by_side.ours_vs_genai.decode_tok_s|x} "
@@ -70,9 +73,11 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
     Row("speculative decoding, real pair `demo-draft` → `demo` (trained demos)",
         "acceptance {spec-quick:real_pair.acceptance|pct}, {spec-quick:real_pair.speedup|x}", Q.format("spec")),
     Row("MoE offloading, Qwen3-30B-A3B layer shapes in bf16, every engine under a memory cap of half the "
-        "checkpoint, 16 requests (every scheduler computes the same, exact output)",
+        "checkpoint, 16 requests",
         "Bevy {moe-quick:speedup_vs_on_demand|x} over on-demand, {moe-quick:speedup_vs_prefetch|x} over prefetch "
-        "(I/O: {moe-quick:io.effective})", Q.format("moe")),
+        "(I/O: {moe-quick:io.effective}; matmuls in {moe-quick:compute}; tokens equal to on-demand's answers: "
+        "Bevy {moe-quick:results.bevy.16.same_tokens_as_on_demand|pct}, prefetch "
+        "{moe-quick:results.prefetch.16.same_tokens_as_on_demand|pct})", Q.format("moe")),
     Row("sparse FFN, Llama-3.1-8B layer shapes (12 layers, bf16), every engine under a memory cap of half the "
         "checkpoint, the neurons to read picked by the engine's low-rank predictor (random weights: any threshold "
         "above 0 changes the output, docs/sparse.md)",
