@@ -51,12 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "math and KV (default: default)")
 
 
-def _model(spec: str, report: Callable[[str], None]) -> str:
-    from engine.bench._checkpoint import bench_model
-
-    return bench_model(spec, report)
-
-
 def _corpus_ids(tokenizer: Any) -> list[int]:
     from engine.models.demo_corpus import build_corpus
 
@@ -127,12 +121,13 @@ def _memory(engine: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    from engine.bench._checkpoint import bench_model
     from engine.local.factory import EngineOptions, open_engine
 
     history = args.history or (600 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)
     precision = getattr(args, "precision", "default")
-    path = _model(args.model, report)
+    path = bench_model(args.model, report)
     report(f"opening {Path(path).name} on the {args.engine} engine (export and compile on first use)")
     if args.engine == "pipeline":
         engine = open_engine(path, "pipeline", EngineOptions(precision=precision,

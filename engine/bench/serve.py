@@ -66,12 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=None, help="rounds over every engine (default 2; quick 1)")
 
 
-def _model(spec: str, report: Callable[[str], None]) -> str:
-    from engine.bench.prompt_cache import _model as model
-
-    return model(spec, report)
-
-
 def _prompt(c: int, i: int, r: int) -> str:
     return f"Request {r}-{c}-{i}: tell me about the weather in city number {i * 7 + c}."
 
@@ -181,11 +175,13 @@ def _constrained(per_round: list[dict[str, Any]], kind: str, li: int, c: int) ->
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    from engine.bench._checkpoint import bench_model
+
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     levels = [int(x) for x in (args.concurrency or ("1,4" if args.quick else "1,4,8,16")).split(",")]
     tokens = args.tokens or (8 if args.quick else 32)
     rounds = args.rounds or (1 if args.quick else 2)
-    path = _model(args.model or ("demo" if args.quick else "random-llama-0.9b"), report)
+    path = bench_model(args.model or ("demo" if args.quick else "random-llama-0.9b"), report)
     per_round = []
     for r in range(rounds):
         order = engines if r % 2 == 0 else engines[::-1]
