@@ -12,9 +12,9 @@ bf16 in RAM, so a model takes its own size and not twice it. A matmul then runs
 - native (`native=True`): in the weight's own 16-bit dtype, the activations rounded
   to it, f32 accumulation in the kernel and an f32 result (what transformers in bf16
   and llama.cpp do). No f32 copy of the weight is written and read again, so on a
-  CPU that multiplies bf16 in hardware (AVX512-BF16, AMX) it is 2-4x faster for the
-  few rows of a decode step (measured on an AMX Xeon: one Qwen3-30B-A3B expert
-  matrix, 4 rows, 2.2 ms widened vs 0.7 ms native). `native_matmul(dtype)` says
+  CPU that multiplies bf16 in hardware (AVX512-BF16, AMX) it is the faster way for
+  the few rows of a decode step (`flotilla bench moe` records which ran, `compute`).
+  `native_matmul(dtype)` says
   whether this CPU's torch has such a kernel; where it has not (AVX2 only), a
   16-bit GEMM is emulated and widening is the faster way.
 
