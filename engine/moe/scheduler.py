@@ -14,12 +14,13 @@ and each expert is applied once to all rows that wait for it.
   experts wait while exactly those experts are fetched -- no prediction --
   prioritised by how close their waiters are to running. If no request is
   complete, the resident experts of waiting ones are applied meanwhile.
-  Requests done with a layer line up for the next and enter it as one batch
-  as soon as no expert work is ready (self-balancing: at once when the
-  thread would idle on the disk, bigger batches when compute is the
-  bottleneck; nothing waits for I/O to form a batch). Requests sit at
-  different layers: a ready request runs ahead instead of waiting for a
-  lockstep. Fetch threads read while this thread computes.
+  Requests done with a layer line up for the next; when no expert work is
+  ready, a lined-up group enters its next layer as one batch once no request
+  of its pass is behind it, or at once (the biggest) when the disk has
+  nothing to read (entering_now: the wave stays whole, and pays each layer's
+  attention and the head once, while the disk is busy; it runs ahead when the
+  disk would idle). Within a layer no request waits for another's experts.
+  Fetch threads read while this thread computes.
 * "on_demand" (lockstep, llama.cpp-style): all sequences advance layer by
   layer together; at each layer the missing experts are read (in parallel,
   the same fetcher, a full disk queue) while the batch waits, then the
@@ -385,11 +386,8 @@ class BevyScheduler(Scheduler):
         if ready:  # expert work was done: look for more before attending the lined-up ones
             self.stats.compute_s += time.perf_counter() - t0
             return True
-        # Self-balancing: the lined-up requests of each layer enter it as one batch as soon
-        # as no expert work is ready -- at once when the thread would idle on the disk
-        # (few ready: small batches, no waiting), later and bigger when compute is the
-        # bottleneck (many ready: they pile up while the thread is busy).
-        entering, self._entering = self._entering, {}
+        # No expert work is ready: lined-up groups enter their next layer (entering_now).
+        entering, self._entering = self._take_entering()
         for layer in sorted(entering, reverse=True):  # the furthest first
             parts = [(b, [i for i in idx if _alive(b.states[i])]) for b, idx in entering[layer]]
             parts = [(b, idx) for b, idx in parts if idx]
@@ -414,11 +412,42 @@ class BevyScheduler(Scheduler):
             self.stats.wait_s += time.perf_counter() - t
         return False
 
+    def _take_entering(self) -> tuple[dict, dict]:
+        """(the lined-up groups that enter their next layer now, the ones that keep waiting):
+        see entering_now."""
+        size = {layer: sum(1 for b, idx in parts for i in idx if _alive(b.states[i]))
+                for layer, parts in self._entering.items()}
+        behind = [b.layer - 1 for b in self._batches for i, st in enumerate(b.states)
+                  if not b.moved[i] and _alive(st)]
+        behind += [-1 for s in self.seqs.values() if s.layer < 0 and s.feed]
+        now = entering_now(size, behind, self.fetcher.idle())
+        return ({m: p for m, p in self._entering.items() if m in now},
+                {m: p for m, p in self._entering.items() if m not in now})
+
     def _arrivals(self, wait_s: float) -> None:
         """Experts that landed for waiters: pinned once until their waiters were served."""
         for key in self.fetcher.take_arrived(wait_s=wait_s):
             self._held.add(key)
             self._asked.pop(key, None)
+
+
+def entering_now(lined_up: dict[int, int], behind: list[int], disk_idle: bool) -> set[int]:
+    """Which lined-up groups of Bevy enter their next layer now.
+
+    lined_up: layer done -> requests lined up to enter layer + 1; behind: for every other
+    request of the pass, the last layer it is done with (-1: it has not started, L - 1:
+    it waits for experts at L). A group enters once no request of its pass is behind it:
+    those would enter the same layer later, and every entry reads the layer's attention
+    weights (past the last layer, the head's: a 150k-token vocabulary is as many bytes as
+    several layers) whatever the rows, so a wave split in two pays them twice. Waiting
+    costs nothing while the disk is busy: the ones behind wait for it. When the disk has
+    nothing to read, the biggest group enters at once, so that its next layer's misses
+    keep the disk busy."""
+    at = behind + [m for m, n in lined_up.items() if n]  # where every request of the pass is
+    now = {m for m in lined_up if not any(p < m for p in at)}
+    if not now and disk_idle and lined_up:
+        now = {max(lined_up, key=lambda m: (lined_up[m], m))}
+    return now
 
 
 def make_scheduler(kind: str, model: MoEModel, cache: ExpertCache, fetcher: Fetcher) -> Scheduler:
