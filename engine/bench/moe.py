@@ -165,7 +165,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     answers = {key: [r.pop("token_ids") for r in runs] for key, runs in cells.items()}
     for (sched, conc), runs in cells.items():  # quality beside speed: the same answers as on_demand's?
         ref = answers.get(("on_demand", conc))
-        for i, r in enumerate(runs if ref else ()):  # without an on_demand run there is nothing to compare
+        if ref is None:  # without an on_demand run there is nothing to compare
+            continue
+        for i, r in enumerate(runs):
             r["same_tokens_as_on_demand"] = round(same_tokens(answers[(sched, conc)][i], ref[i]), 4)
     table: dict[str, dict[str, dict[str, float]]] = {}
     for (sched, conc), runs in cells.items():

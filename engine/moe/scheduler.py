@@ -415,6 +415,8 @@ class BevyScheduler(Scheduler):
     def _take_entering(self) -> tuple[dict, dict]:
         """(the lined-up groups that enter their next layer now, the ones that keep waiting):
         see entering_now."""
+        if not self._entering:
+            return {}, {}
         size = {layer: sum(1 for b, idx in parts for i in idx if _alive(b.states[i]))
                 for layer, parts in self._entering.items()}
         behind = [b.layer - 1 for b in self._batches for i, st in enumerate(b.states)
