@@ -17,12 +17,15 @@ TTFT <= 0.3x turn 1's, with identical answers. Random weights: the answers are
 gibberish of a fixed length (--answer tokens, ignore_eos), which is all a KV cache sees.
 
 --precision f32 runs exact math and an f32 KV cache (what the equivalence tests use);
-the default is the device's choice. On a CPU that is bf16 compute and a u8 KV cache, and
-the pipeline's take-over of a parked stream reads its KV state back and writes the kept
-part again (a copy), which re-quantizes the u8 cache: logits move in their last bits and a
-near tie of a random model can then go the other way. Each round records where the cached
-answer first parts from the uncached one (`first_difference`, None when identical) and the
-share of equal tokens, so a difference is measured, not hidden.
+the default is the device's choice: on a CPU bf16 compute where it has it. There a
+prefill's logits depend on how the prompt is split into chunks (OpenVINO's kernels round
+differently per chunk shape), and a cached turn is a different split: turn 1's prompt,
+the answer's one-token steps, then the new part. So on the pipeline each round also asks
+turn 2 uncached with prefill chunks of half the size (`other_split_identical`: is even
+the uncached answer unique?). --exact-cache turns on the pipeline's exact prompt cache
+(whole prefill chunks only, PipelineConfig.prompt_cache_exact). Each round records
+where the cached answer first parts from the uncached one (`first_difference`, None when
+identical) and the share of equal tokens, so a difference is measured, not hidden.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("default", "f32"), default="default",
                    help="the device's default (CPU: bf16 compute where it has it, u8 KV cache) or exact f32 "
                         "math and KV (default: default)")
+    p.add_argument("--exact-cache", action="store_true",
+                   help="pipeline: reuse whole prefill chunks only (the exact prompt cache)")
 
 
 def _corpus_ids(tokenizer: Any) -> list[int]:
@@ -80,6 +85,18 @@ def _ask(engine: Any, rid: str, turns: list[tuple[str, str]], n: int) -> tuple[l
     if final.finish_reason == "error":
         raise RuntimeError(f"the engine failed: {final.error}")
     return [t for e in events for t in e.token_ids], final
+
+
+def _ask_split(engine: Any, rid: str, turns: list[tuple[str, str]], n: int) -> list[int]:
+    """The pipeline's answer with prefill chunks of half its size (nothing cached)."""
+    import dataclasses
+
+    config = engine.config  # read at each admission; a bench-only swap, put back at once
+    engine.config = dataclasses.replace(config, prefill_chunk=max(1, config.prefill_chunk // 2))
+    try:
+        return _ask(engine, rid, turns, n)[0]
+    finally:
+        engine.config = config
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -129,9 +146,12 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     precision = getattr(args, "precision", "default")
     path = bench_model(args.model, report)
     report(f"opening {Path(path).name} on the {args.engine} engine (export and compile on first use)")
+    exact_cache = bool(getattr(args, "exact_cache", False))
+    if exact_cache and args.engine != "pipeline":
+        raise SystemExit("--exact-cache is a pipeline setting (the local engine's cache is exact already)")
     if args.engine == "pipeline":
-        engine = open_engine(path, "pipeline", EngineOptions(precision=precision,
-                                                             extra={"stages": 2, "max_concurrent": 2}))
+        engine = open_engine(path, "pipeline", EngineOptions(precision=precision, extra={
+            "stages": 2, "max_concurrent": 2, "prompt_cache_exact": exact_cache}))
         pool = engine.parked.capacity
     else:  # the paged engine's cache is bounded by its KV pool: any count > 0 turns it back on
         engine = open_engine(path, "local", EngineOptions(precision=precision))
@@ -150,6 +170,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             kept = _kept_bytes(engine)  # what the cache holds once turn 2 ended
             engine.set_prompt_cache(0)  # no cache: turn 2 again from nothing
             ids3, end3 = _ask(engine, f"r{r}t2-nocache", q2, args.answer)
+            other = None
+            if args.engine == "pipeline":  # the control: uncached again, other chunk boundaries
+                other = _ask_split(engine, f"r{r}t2-split", q2, args.answer)
             engine.set_prompt_cache(pool)
             row = {"history_tokens": end1.usage.prompt_tokens, "turn2_prompt_tokens": end2.usage.prompt_tokens,
                    "turn2_cached_tokens": end2.usage.cached_tokens, "uncached_cached_tokens": end3.usage.cached_tokens,
@@ -157,7 +180,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                    "turn2_uncached_ttft_s": round(end3.timings.ttft_s, 4),
                    "identical": ids2 == ids3, "first_difference": first_difference(ids2, ids3),
                    "same_tokens": round(sum(a == b for a, b in zip(ids2, ids3)) / max(1, len(ids3)), 4),
-                   "kept_bytes_after_turn2": kept}
+                   "kept_bytes_after_turn2": kept,
+                   "other_split_identical": None if other is None else other == ids3}
             row["turn2_over_turn1"] = round(row["turn2_ttft_s"] / row["turn1_ttft_s"], 4)
             row["cached_over_uncached"] = round(row["turn2_ttft_s"] / row["turn2_uncached_ttft_s"], 4)
             rows.append(row)
@@ -179,6 +203,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             "turn2_ttft_s": med("turn2_ttft_s"), "turn2_uncached_ttft_s": med("turn2_uncached_ttft_s"),
             "turn2_cached_tokens": med("turn2_cached_tokens"),
             "identical_rounds": sum(x["identical"] for x in rows), "round_count": len(rows),
-            "same_tokens": med("same_tokens"),
+            "same_tokens": med("same_tokens"), "exact_cache": exact_cache,
+            "other_split_identical_rounds": (None if args.engine != "pipeline"
+                                             else sum(bool(x["other_split_identical"]) for x in rows)),
             "goal": goal, "memory": memory,
             "passed": all(goal.values())}
