@@ -95,10 +95,15 @@ def test_the_exact_prompt_cache_answers_as_a_fresh_request_at_the_default_precis
     ids2, _, end2 = _ask(exact_engine, "x2", second)
     cached = end2.usage.cached_tokens
     assert cached % CHUNK == 0 and end1.usage.prompt_tokens - CHUNK < cached <= end1.usage.prompt_tokens
+    # a third turn takes over the second's stream, which holds the first take-over's hidden tail
+    third = second + chat(("assistant", exact_engine.tokenizer.decode(ids2, skip_special_tokens=True)),
+                          ("user", "And the sea?"))
+    ids3, _, end3 = _ask(exact_engine, "x3", third)
+    assert end3.usage.cached_tokens % CHUNK == 0 and end3.usage.cached_tokens > cached
     exact_engine.set_prompt_cache(0)
     try:
-        ids3, _, end3 = _ask(exact_engine, "x3", second)
+        fresh = [_ask(exact_engine, f"x{i}-fresh", turns) for i, turns in ((2, second), (3, third))]
     finally:
         exact_engine.set_prompt_cache(exact_engine.config.prompt_cache)
-    assert end3.usage.cached_tokens == 0
-    assert ids2 == ids3
+    assert [end.usage.cached_tokens for _ids, _text, end in fresh] == [0, 0]
+    assert [ids for ids, _text, _end in fresh] == [ids2, ids3]

@@ -4,7 +4,7 @@ from, how much of it, and -- with a chunk grid -- only whole chunks computed on 
 
 from __future__ import annotations
 
-from engine.pipeline.prompt_cache import Parked, ParkedStreams
+from engine.pipeline.prompt_cache import Parked, ParkedStreams, cut_at, hidden_count, holes_after_cut
 from engine.runtime.prompt_cache import MIN_REUSE, best_reuse, common_prefix
 
 
@@ -50,3 +50,15 @@ def test_parking_over_capacity_frees_the_oldest():
     assert parked.park(Parked("a", 1, 20, tuple(range(20)))) == []
     assert parked.park(Parked("b", 1, 20, tuple(range(20)))) == ["a"]
     assert ParkedStreams(capacity=0).park(Parked("c", 1, 20, tuple(range(20)))) == ["c"]
+
+
+def test_a_cut_skips_the_holes_before_it_and_swallows_the_ones_after():
+    holes = (10, 14, 30, 32)  # 4 + 2 hidden physical positions
+    assert hidden_count(holes) == 6
+    assert cut_at(5, holes) == 5  # before any hole
+    assert cut_at(10, holes) == 10  # right at a hole: the hole goes with the cut
+    assert cut_at(12, holes) == 16  # 10 visible, the hole [10, 14), 2 more
+    assert cut_at(40, holes) == 46
+    assert holes_after_cut(holes, 16, 50) == (10, 14, 16, 50)
+    assert holes_after_cut(holes, 10, 50) == (10, 50)
+    assert holes_after_cut((), 20, 20) == ()  # nothing past the cut
