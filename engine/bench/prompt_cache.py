@@ -20,10 +20,10 @@ gibberish of a fixed length (--answer tokens, ignore_eos), which is all a KV cac
 the default is the device's choice: on a CPU bf16 compute where it has it. There a
 prefill's logits depend on how the prompt is split into chunks (OpenVINO's kernels round
 differently per chunk shape), and a cached turn is a different split: turn 1's prompt,
-the answer's one-token steps, then the new part. So on the pipeline each round also asks
-turn 2 uncached with prefill chunks of half the size (`other_split_identical`: is even
-the uncached answer unique?). --exact-cache turns on the pipeline's exact prompt cache
-(whole prefill chunks only, PipelineConfig.prompt_cache_exact). Each round records
+the answer's one-token steps, then the new part; and the pipeline's take-over compacts
+the stages' u8 KV state, which re-quantizes it (docs/api.md). So on the pipeline each
+round also asks turn 2 uncached with prefill chunks of half the size
+(`other_split_identical`: is even the uncached answer unique?). Each round records
 where the cached answer first parts from the uncached one (`first_difference`, None when
 identical) and the share of equal tokens, so a difference is measured, not hidden.
 """
@@ -52,8 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("default", "f32"), default="default",
                    help="the device's default (CPU: bf16 compute where it has it, u8 KV cache) or exact f32 "
                         "math and KV (default: default)")
-    p.add_argument("--exact-cache", action="store_true",
-                   help="pipeline: reuse whole prefill chunks only (the exact prompt cache)")
 
 
 def _corpus_ids(tokenizer: Any) -> list[int]:
@@ -146,12 +144,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     precision = getattr(args, "precision", "default")
     path = bench_model(args.model, report)
     report(f"opening {Path(path).name} on the {args.engine} engine (export and compile on first use)")
-    exact_cache = bool(getattr(args, "exact_cache", False))
-    if exact_cache and args.engine != "pipeline":
-        raise SystemExit("--exact-cache is a pipeline setting (the local engine's cache is exact already)")
     if args.engine == "pipeline":
-        engine = open_engine(path, "pipeline", EngineOptions(precision=precision, extra={
-            "stages": 2, "max_concurrent": 2, "prompt_cache_exact": exact_cache}))
+        engine = open_engine(path, "pipeline", EngineOptions(precision=precision,
+                                                             extra={"stages": 2, "max_concurrent": 2}))
         pool = engine.parked.capacity
     else:  # the paged engine's cache is bounded by its KV pool: any count > 0 turns it back on
         engine = open_engine(path, "local", EngineOptions(precision=precision))
@@ -203,7 +198,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             "turn2_ttft_s": med("turn2_ttft_s"), "turn2_uncached_ttft_s": med("turn2_uncached_ttft_s"),
             "turn2_cached_tokens": med("turn2_cached_tokens"),
             "identical_rounds": sum(x["identical"] for x in rows), "round_count": len(rows),
-            "same_tokens": med("same_tokens"), "exact_cache": exact_cache,
+            "same_tokens": med("same_tokens"),
             "other_split_identical_rounds": (None if args.engine != "pipeline"
                                              else sum(bool(x["other_split_identical"]) for x in rows)),
             "goal": goal, "memory": memory,

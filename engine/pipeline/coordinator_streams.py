@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from engine.pipeline.prompt_cache import Parked, cut_at, hidden_count, holes_after_cut
+from engine.pipeline.prompt_cache import Parked
 from engine.protocol import ErrorReply, ProtocolError, decode_frames
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.protocol.pipeline import StageFree, StagePong, StageResult, StageStep
@@ -40,7 +40,6 @@ class _Flight:
     sent_at: float = 0.0  # perf_counter when that step left
     spec: Any = None  # engine.pipeline.speculative.StreamSpeculation, or None (no speculation)
     keep: int | None = None  # a parked stream taken over: its first step keeps only this many tokens
-    holes: tuple[int, ...] = ()  # physical ranges hidden, not compacted (the exact prompt cache)
 
 
 class CoordinatorStreams:
@@ -64,18 +63,12 @@ class CoordinatorStreams:
                                   error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
         sample = s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None or request.constrained
-        grid = gen.chunk if self.config.prompt_cache_exact else 1
-        found = self.parked.take(ids, grid) if spec is None else None
+        found = self.parked.take(ids) if spec is None else None
         if found is None:
             return _Flight(gen, f"s{next(self._ids)}", sample=sample, spec=spec)
         parked, keep = found
-        if grid > 1 and parked.past + len(ids) - keep + gen.max_new > self.context_length:
-            # its holes would take the stream past the KV the plan reserved: start afresh (still exact)
-            self._to_free.append(parked.stream_id)
-            return _Flight(gen, f"s{next(self._ids)}", sample=sample, spec=spec)
         gen.prefilled = gen.cached = keep
-        return _Flight(gen, parked.stream_id, sample=sample, seq=parked.seq, past=parked.past, keep=keep,
-                       holes=parked.holes)
+        return _Flight(gen, parked.stream_id, sample=sample, seq=parked.seq, past=parked.past, keep=keep)
 
     def _send_step(self, f: _Flight) -> None:
         if self.recovery.hold_send(f):  # paused by a recovery, or a replay chunk sent
@@ -95,17 +88,9 @@ class CoordinatorStreams:
         step = StageStep(f.stream_id, f.seq, f.past, reset=f.past == 0, want_token=final,
                          want_logits=final and f.sample)
         if f.keep is not None:  # a parked stream taken over: drop what it holds past the shared prefix
-            at = cut_at(f.keep, f.holes)
-            cut = (at, f.past) if at < f.past else ()
-            if self.config.prompt_cache_exact:  # hidden, not compacted (engine/pipeline/prompt_cache.py)
-                step = msgspec.structs.replace(step, position=f.keep, hide=cut)
-                f.holes = holes_after_cut(f.holes, at, f.past)
-            else:
-                step = msgspec.structs.replace(step, position=f.keep, hide=cut, compact=bool(cut or f.holes))
-                f.past, f.holes = f.keep, ()
-            f.keep = None
-        elif f.holes:
-            step = msgspec.structs.replace(step, position=f.past - hidden_count(f.holes))
+            cut = (f.keep, f.past) if f.keep < f.past else ()
+            step = msgspec.structs.replace(step, position=f.keep, hide=cut, compact=bool(cut))
+            f.past, f.keep = f.keep, None
         if gen.t_start is None:
             gen.t_start = time.perf_counter()
         f.in_flight, f.sent_at = len(ids), time.perf_counter()
@@ -209,11 +194,8 @@ class CoordinatorStreams:
                 log.exception("pipeline: closing the speculation of %s failed", f.stream_id)
         active.pop(f.stream_id, None)
         if f.spec is None and event.finish_reason in ("stop", "length") and not self.broken:
-            ids = (list(f.gen.prompt_ids) + list(f.gen.output_ids))[:f.past - hidden_count(f.holes)]
-            # its prompt was prefilled in chunks on the grid from 0 (or from a whole-chunk
-            # take-over); the last, partial chunk and the answer's one-token steps were not
-            exact = len(f.gen.prompt_ids) - len(f.gen.prompt_ids) % f.gen.chunk
-            self._to_free += self.parked.park(Parked(f.stream_id, f.seq, f.past, tuple(ids), exact, f.holes))
+            ids = (list(f.gen.prompt_ids) + list(f.gen.output_ids))[:f.past]
+            self._to_free += self.parked.park(Parked(f.stream_id, f.seq, f.past, tuple(ids)))
         else:
             self._to_free.append(f.stream_id)
         self._emit(event)

@@ -6,14 +6,6 @@ prefix with a parked stream (engine/runtime/prompt_cache.py) takes that stream o
 first step hides what the stages hold past the shared prefix and compacts it away (the
 same step fields speculative rollback uses), then prefills only the rest.
 
-With PipelineConfig.prompt_cache_exact a take-over keeps only whole prefill chunks that
-were computed as a fresh prefill computes them (`grid`, engine/runtime/prompt_cache.py),
-and it hides the rest with the attention mask instead of compacting it away: reading a
-u8 KV state back and writing it again re-quantizes it. The cached answer is then the
-uncached one at any precision, for up to one chunk of prefill more and the hidden
-positions' KV (the stream's `holes`, physical ranges, kept until the stream is freed). A
-stream's `exact` ids are its prompt's whole chunks.
-
 Parked streams hold KV on every stage like running ones, so they count against the
 plan's streams (max_concurrent): the coordinator parks at most `capacity` and gives
 their room back before a new request would exceed max_concurrent. Pure bookkeeping: the
@@ -34,29 +26,7 @@ class Parked:
     stream_id: str
     seq: int  # the stream's next step number on every stage
     past: int  # tokens physically in its KV state on every stage
-    ids: tuple[int, ...]  # the visible ones (all but the holes), in order
-    exact: int = 0  # of them, the leading ones prefilled in whole chunks of the prefill grid
-    holes: tuple[int, ...] = ()  # hidden physical [start, end) ranges, flattened, ascending
-
-
-def hidden_count(holes: Sequence[int]) -> int:
-    """Positions hidden by flattened [start, end) ranges."""
-    return sum(holes[i + 1] - holes[i] for i in range(0, len(holes), 2))
-
-
-def cut_at(keep: int, holes: Sequence[int]) -> int:
-    """The physical position right after the first `keep` visible ones (holes before it skipped)."""
-    at = keep
-    for i in range(0, len(holes), 2):
-        if holes[i] < at:
-            at += holes[i + 1] - holes[i]
-    return at
-
-
-def holes_after_cut(holes: Sequence[int], at: int, past: int) -> tuple[int, ...]:
-    """The holes once everything from physical position `at` to `past` is hidden as well."""
-    kept = tuple(x for i in range(0, len(holes), 2) if holes[i + 1] <= at for x in holes[i:i + 2])
-    return kept + ((at, past) if at < past else ())
+    ids: tuple[int, ...]  # those tokens, in order
 
 
 class ParkedStreams:
@@ -75,12 +45,10 @@ class ParkedStreams:
         self._parked[stream.stream_id] = stream
         return self.evict(len(self._parked) - self.capacity)
 
-    def take(self, prompt_ids: Sequence[int], grid: int = 1) -> tuple[Parked, int] | None:
-        """The parked stream to start `prompt_ids` from and how many of its ids to keep
-        (grid > 1: whole chunks of that many ids, computed on that grid)."""
+    def take(self, prompt_ids: Sequence[int]) -> tuple[Parked, int] | None:
+        """The parked stream to start `prompt_ids` from and how many of its ids to keep."""
         parked = list(self._parked.values())
-        held = [p.ids if grid <= 1 else p.ids[:p.exact] for p in parked]
-        best, keep = best_reuse(held, prompt_ids, grid)
+        best, keep = best_reuse([p.ids for p in parked], prompt_ids)
         if best is None:
             return None
         del self._parked[parked[best].stream_id]

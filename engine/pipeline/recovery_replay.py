@@ -109,7 +109,6 @@ def reset_flight(f: Any, stream_id: str) -> None:
     f.seq = 0
     f.past = 0
     f.keep = None  # a fresh stream: nothing parked to trim
-    f.holes = ()  # nor hidden
     f.in_flight = 0
     f.sent_at = 0.0
     spec = getattr(f, "spec", None)  # speculative decoding (engine/pipeline/speculative.py)

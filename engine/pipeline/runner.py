@@ -78,7 +78,6 @@ class FleetConfig:
     context_length: int | None = None  # tokens per stream (KV sizing, the engine's cap); None = default_context
     max_concurrent: int = 8  # streams in the ring at once (KV reserved for each on every stage)
     prefill_chunk: int = 512  # prompt tokens per step
-    prompt_cache_exact: bool = False  # follow-ups reuse whole prefill chunks only (PipelineConfig)
     host: str = "127.0.0.1"  # where workers bind; loopback keeps the data plane private
     ready_timeout_s: float = 180.0  # every stage must be loaded and wired within this
     log_dir: Path | None = None  # worker logs; None = a temporary folder
@@ -319,7 +318,7 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
         links = fleet.launch(infos)
         pcfg = engine_config or PipelineConfig(
             max_concurrent=cfg.max_concurrent, prefill_chunk=cfg.prefill_chunk,
-            prompt_cache_exact=cfg.prompt_cache_exact, context_length=fleet.context_length, return_bind=f"tcp://{cfg.host}:*",
+            context_length=fleet.context_length, return_bind=f"tcp://{cfg.host}:*",
             ready_timeout_s=cfg.ready_timeout_s, device=cfg.device)
         if fleet.ring_keys is not None and pcfg.curve is None:
             pcfg = dataclasses.replace(pcfg, curve=fleet.ring_keys.coordinator)
@@ -355,7 +354,7 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
 
 def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = None) -> PipelineEngine:
     """engine.local.factory opener: options.extra may carry stages, split, threads, max_concurrent,
-    context_length, prefill_chunk, prompt_cache_exact, speculative (a SpecConfig)."""
+    context_length, speculative (a SpecConfig)."""
     extra = dict(getattr(options, "extra", {}) or {})
     split = extra.get("split")
     if isinstance(split, str):
@@ -365,7 +364,5 @@ def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = No
                       exact=getattr(options, "precision", "default") == "f32",
                       device=getattr(options, "device", "CPU"), threads=extra.get("threads"),
                       max_concurrent=int(extra.get("max_concurrent", 8)),
-                      context_length=extra.get("context_length"),
-                      prefill_chunk=int(extra.get("prefill_chunk", FleetConfig.prefill_chunk)),
-                      prompt_cache_exact=bool(extra.get("prompt_cache_exact", False)))
+                      context_length=extra.get("context_length"))
     return launch_pipeline(cfg, progress, speculative=extra.get("speculative"))
