@@ -23,7 +23,9 @@ differently per chunk shape), and a cached turn is a different split: turn 1's p
 the answer's one-token steps, then the new part; and the pipeline's take-over compacts
 the stages' u8 KV state, which re-quantizes it (docs/api.md). So on the pipeline each
 round also asks turn 2 uncached with prefill chunks of half the size
-(`other_split_identical`: is even the uncached answer unique?). Each round records
+(`other_split_identical`: is even the uncached answer unique?). --exact-cache turns on
+the pipeline's exact prompt cache (PipelineConfig.prompt_cache_exact: whole prefill
+chunks only, a 16-bit KV cache on the stages). Each round records
 where the cached answer first parts from the uncached one (`first_difference`, None when
 identical) and the share of equal tokens, so a difference is measured, not hidden.
 """
@@ -52,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("default", "f32"), default="default",
                    help="the device's default (CPU: bf16 compute where it has it, u8 KV cache) or exact f32 "
                         "math and KV (default: default)")
+    p.add_argument("--exact-cache", action="store_true",
+                   help="pipeline: the exact prompt cache (whole prefill chunks, 16-bit KV on the stages)")
 
 
 def _corpus_ids(tokenizer: Any) -> list[int]:
@@ -138,15 +142,19 @@ def _memory(engine: Any) -> dict[str, Any]:
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.bench._checkpoint import bench_model
     from engine.local.factory import EngineOptions, open_engine
+    from engine.pipeline.runner import EXACT_CACHE_KV
 
     history = args.history or (600 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)
     precision = getattr(args, "precision", "default")
     path = bench_model(args.model, report)
     report(f"opening {Path(path).name} on the {args.engine} engine (export and compile on first use)")
+    exact_cache = bool(getattr(args, "exact_cache", False))
+    if exact_cache and args.engine != "pipeline":
+        raise SystemExit("--exact-cache is a pipeline setting (the local engine's cache is exact already)")
     if args.engine == "pipeline":
-        engine = open_engine(path, "pipeline", EngineOptions(precision=precision,
-                                                             extra={"stages": 2, "max_concurrent": 2}))
+        engine = open_engine(path, "pipeline", EngineOptions(precision=precision, extra={
+            "stages": 2, "max_concurrent": 2, "prompt_cache_exact": exact_cache}))
         pool = engine.parked.capacity
     else:  # the paged engine's cache is bounded by its KV pool: any count > 0 turns it back on
         engine = open_engine(path, "local", EngineOptions(precision=precision))
@@ -192,13 +200,14 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             "ttft_at_most_0.3x": med("turn2_over_turn1") <= 0.3,
             "identical": all(x["identical"] for x in rows)}
     return {"engine": args.engine, "model": Path(path).name, "history": history, "answer_tokens": args.answer,
-            "precision": precision, "kv_cache_precision": kv_cache_precision(precision), "pool_size": pool,
+            "precision": precision, "pool_size": pool,
+            "kv_cache_precision": EXACT_CACHE_KV if exact_cache and precision != "f32" else kv_cache_precision(precision),
             "rounds": rows, "turn2_over_turn1": med("turn2_over_turn1"),
             "cached_over_uncached": med("cached_over_uncached"), "turn1_ttft_s": med("turn1_ttft_s"),
             "turn2_ttft_s": med("turn2_ttft_s"), "turn2_uncached_ttft_s": med("turn2_uncached_ttft_s"),
             "turn2_cached_tokens": med("turn2_cached_tokens"),
             "identical_rounds": sum(x["identical"] for x in rows), "round_count": len(rows),
-            "same_tokens": med("same_tokens"),
+            "same_tokens": med("same_tokens"), "exact_cache": exact_cache,
             "other_split_identical_rounds": (None if args.engine != "pipeline"
                                              else sum(bool(x["other_split_identical"]) for x in rows)),
             "goal": goal, "memory": memory,

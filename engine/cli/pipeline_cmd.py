@@ -47,6 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="OpenVINO inference threads per stage (default: the plugin's choice)")
     p.add_argument("--max-streams", type=int, default=8, help="streams in the ring at once (default 8)")
+    p.add_argument("--exact-prompt-cache", action="store_true",
+                   help="a follow-up turn reuses the stages' KV in whole prefill chunks only, and the stages "
+                        "keep a 16-bit KV cache, so its greedy answer is the one a fresh request gets at any "
+                        "precision (costs up to 512 tokens of prefill a turn and twice the u8 KV memory)")
     p.add_argument("--plaintext", action="store_true",
                    help="no CURVE between the local stages (loopback only; default: encrypted like a fleet)")
     p.add_argument("-p", "--prompt", help="answer this one prompt and exit (default: an interactive chat)")
@@ -73,7 +77,8 @@ def fleet_config_from_args(args: argparse.Namespace):
         raise UserError("--max-streams must be at least 1")
     return FleetConfig(model=args.model, stages=args.stages, split=split, exact=args.exact, device=args.device,
                        weights=args.weights, threads=args.threads, max_concurrent=args.max_streams,
-                       context_length=context, curve=not getattr(args, "plaintext", False))
+                       context_length=context, curve=not getattr(args, "plaintext", False),
+                       prompt_cache_exact=getattr(args, "exact_prompt_cache", False))
 
 
 class _PlanShown(Exception):

@@ -71,6 +71,10 @@ class PipelineConfig:
     max_concurrent: int = 8  # streams in the ring at once (each holds KV on every stage); more wait
     prompt_cache: int = 2  # finished streams kept on the stages for follow-up prompts (within max_concurrent)
     prefill_chunk: int = 512  # prompt tokens per step
+    # a follow-up reuses only whole prefill chunks, so its answer is the uncached one at any
+    # precision (engine/pipeline/prompt_cache.py; the stages need a 16-bit KV cache for it,
+    # FleetConfig.prompt_cache_exact starts them so); costs up to a chunk of prefill
+    prompt_cache_exact: bool = False
     context_length: int | None = None  # cap on prompt + answer tokens; None = the model's own
     return_bind: str = "tcp://127.0.0.1:*"  # where the last stage sends results (* = a free port)
     return_endpoint: str | None = None  # the address the last stage dials, when return_bind's host is a wildcard

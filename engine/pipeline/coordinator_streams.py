@@ -63,7 +63,8 @@ class CoordinatorStreams:
                                   error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
         sample = s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None or request.constrained
-        found = self.parked.take(ids) if spec is None else None
+        grid = gen.chunk if self.config.prompt_cache_exact else 1
+        found = self.parked.take(ids, grid) if spec is None else None
         if found is None:
             return _Flight(gen, f"s{next(self._ids)}", sample=sample, spec=spec)
         parked, keep = found
@@ -195,7 +196,10 @@ class CoordinatorStreams:
         active.pop(f.stream_id, None)
         if f.spec is None and event.finish_reason in ("stop", "length") and not self.broken:
             ids = (list(f.gen.prompt_ids) + list(f.gen.output_ids))[:f.past]
-            self._to_free += self.parked.park(Parked(f.stream_id, f.seq, f.past, tuple(ids)))
+            # its prompt was prefilled in chunks on the grid from 0 (or from a whole-chunk
+            # take-over); the last, partial chunk and the answer's one-token steps were not
+            exact = len(f.gen.prompt_ids) - len(f.gen.prompt_ids) % f.gen.chunk
+            self._to_free += self.parked.park(Parked(f.stream_id, f.seq, f.past, tuple(ids), exact))
         else:
             self._to_free.append(f.stream_id)
         self._emit(event)

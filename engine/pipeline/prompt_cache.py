@@ -6,6 +6,13 @@ prefix with a parked stream (engine/runtime/prompt_cache.py) takes that stream o
 first step hides what the stages hold past the shared prefix and compacts it away (the
 same step fields speculative rollback uses), then prefills only the rest.
 
+With PipelineConfig.prompt_cache_exact a take-over keeps only whole prefill chunks that
+were computed as a fresh prefill computes them (`grid`, engine/runtime/prompt_cache.py),
+and the stages keep a 16-bit KV cache, so the compaction's read-back and rewrite is
+lossless (a u8 cache is re-quantized by it; engine/pipeline/runner.py starts the workers
+so): the cached answer is then the uncached one at any precision, for up to one chunk of
+prefill more. A stream's `exact` ids are those: its prompt's whole chunks.
+
 Parked streams hold KV on every stage like running ones, so they count against the
 plan's streams (max_concurrent): the coordinator parks at most `capacity` and gives
 their room back before a new request would exceed max_concurrent. Pure bookkeeping: the
@@ -27,6 +34,7 @@ class Parked:
     seq: int  # the stream's next step number on every stage
     past: int  # tokens physically in its KV state on every stage
     ids: tuple[int, ...]  # those tokens, in order
+    exact: int = 0  # of them, the leading ones prefilled in whole chunks of the prefill grid
 
 
 class ParkedStreams:
@@ -45,10 +53,12 @@ class ParkedStreams:
         self._parked[stream.stream_id] = stream
         return self.evict(len(self._parked) - self.capacity)
 
-    def take(self, prompt_ids: Sequence[int]) -> tuple[Parked, int] | None:
-        """The parked stream to start `prompt_ids` from and how many of its ids to keep."""
+    def take(self, prompt_ids: Sequence[int], grid: int = 1) -> tuple[Parked, int] | None:
+        """The parked stream to start `prompt_ids` from and how many of its ids to keep
+        (grid > 1: whole chunks of that many ids, computed on that grid)."""
         parked = list(self._parked.values())
-        best, keep = best_reuse([p.ids for p in parked], prompt_ids)
+        held = [p.ids if grid <= 1 else p.ids[:p.exact] for p in parked]
+        best, keep = best_reuse(held, prompt_ids, grid)
         if best is None:
             return None
         del self._parked[parked[best].stream_id]

@@ -61,6 +61,10 @@ Progress = Callable[[str, float], None]
 # place), "compile" (the worker runs and loads/compiles it), "ready".
 StageProgress = Callable[[int, str, float], None]
 STOP_GRACE_S = 2.0  # graceful stop -> kill
+# The exact prompt cache's KV cache: a take-over reads the kept KV back and writes it again,
+# lossless at 16 bits (by hand: a u8 cache is re-quantized and its logits move), planned at 2 bytes.
+EXACT_CACHE_KV = "f16"
+EXACT_CACHE_KV_BYTES = 2.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,9 @@ class FleetConfig:
     context_length: int | None = None  # tokens per stream (KV sizing, the engine's cap); None = default_context
     max_concurrent: int = 8  # streams in the ring at once (KV reserved for each on every stage)
     prefill_chunk: int = 512  # prompt tokens per step
+    # follow-ups reuse whole prefill chunks only (PipelineConfig), and the stages keep a 16-bit KV
+    # cache (EXACT_CACHE_KV), whose read-back is lossless, instead of the plugin's u8 default
+    prompt_cache_exact: bool = False
     host: str = "127.0.0.1"  # where workers bind; loopback keeps the data plane private
     ready_timeout_s: float = 180.0  # every stage must be loaded and wired within this
     log_dir: Path | None = None  # worker logs; None = a temporary folder
@@ -132,8 +139,9 @@ def plan_local(model: PlanModel, cfg: FleetConfig, context_length: int) -> Plan:
     kind = cfg.device.split(".")[0].upper()
     device = DeviceProfile(kind if kind in DEVICE_KINDS else "CPU", cfg.device)
     peers = [PeerProfile(f"local-{i}", f"this PC #{i + 1}", (device,), budget // n) for i in range(n)]
+    kv_bytes = EXACT_CACHE_KV_BYTES if cfg.prompt_cache_exact and not cfg.exact else None
     request = PlanRequest(context_length=context_length, streams=cfg.max_concurrent, exact=cfg.exact,
-                          weight_precision=plan_weights.check_choice(cfg.weights))
+                          kv_dtype_bytes=kv_bytes, weight_precision=plan_weights.check_choice(cfg.weights))
     specs = [(p.peer_id, cfg.device, s, e) for p, (s, e) in zip(peers, ranges)]
     plan = evaluate_plan(specs, model, peers, request)
     plan_weights.check_plan(plan, model, peers, plan_weights.request_of(plan), "the plan cannot run on this PC",
@@ -210,6 +218,8 @@ class LocalFleet:
                    "--cache-dir", str(blobs), "--parent-pid", str(os.getpid())]
             if self.cfg.exact:
                 cmd.append("--exact")
+            elif self.cfg.prompt_cache_exact:
+                cmd += ["--kv-precision", EXACT_CACHE_KV]
             if self.cfg.threads:
                 cmd += ["--threads", str(self.cfg.threads)]
             if self.ring_keys is not None:
@@ -318,7 +328,7 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
         links = fleet.launch(infos)
         pcfg = engine_config or PipelineConfig(
             max_concurrent=cfg.max_concurrent, prefill_chunk=cfg.prefill_chunk,
-            context_length=fleet.context_length, return_bind=f"tcp://{cfg.host}:*",
+            prompt_cache_exact=cfg.prompt_cache_exact, context_length=fleet.context_length, return_bind=f"tcp://{cfg.host}:*",
             ready_timeout_s=cfg.ready_timeout_s, device=cfg.device)
         if fleet.ring_keys is not None and pcfg.curve is None:
             pcfg = dataclasses.replace(pcfg, curve=fleet.ring_keys.coordinator)
@@ -354,7 +364,7 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
 
 def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = None) -> PipelineEngine:
     """engine.local.factory opener: options.extra may carry stages, split, threads, max_concurrent,
-    context_length, speculative (a SpecConfig)."""
+    context_length, prefill_chunk, prompt_cache_exact, speculative (a SpecConfig)."""
     extra = dict(getattr(options, "extra", {}) or {})
     split = extra.get("split")
     if isinstance(split, str):
@@ -364,5 +374,7 @@ def open_pipeline_engine(spec: str, options: Any, progress: Progress | None = No
                       exact=getattr(options, "precision", "default") == "f32",
                       device=getattr(options, "device", "CPU"), threads=extra.get("threads"),
                       max_concurrent=int(extra.get("max_concurrent", 8)),
-                      context_length=extra.get("context_length"))
+                      context_length=extra.get("context_length"),
+                      prefill_chunk=int(extra.get("prefill_chunk", FleetConfig.prefill_chunk)),
+                      prompt_cache_exact=bool(extra.get("prompt_cache_exact", False)))
     return launch_pipeline(cfg, progress, speculative=extra.get("speculative"))

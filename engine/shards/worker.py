@@ -77,6 +77,7 @@ IDLE_POLL_MS = 100  # how long the idle loop waits for a message
 MAX_DRAIN = 1024  # messages read per drain, so a flood cannot starve compute
 TOMBSTONES = 4096  # freed stream ids remembered, so their late steps are dropped quietly
 POOL = 16  # idle InferRequests kept for new streams
+KV_PRECISIONS = ("f16", "bf16", "u8", "f32")  # what --kv-precision takes (the CPU plugin's KV_CACHE_PRECISION)
 SNDHWM = 10_000  # queued outgoing messages before sends fail (the ring holds far fewer)
 
 
@@ -87,6 +88,7 @@ class WorkerConfig:
     next_endpoint: str | None = None  # where outputs go; None = wait for a StageConfigure
     device: str = "CPU"  # OpenVINO device
     exact: bool = False  # f32 inference + f32 KV cache (bit-comparable with torch)
+    kv_precision: str | None = None  # KV_CACHE_PRECISION (e.g. "f16": the exact prompt cache); None = default
     threads: int | None = None  # INFERENCE_NUM_THREADS; None = the plugin's choice
     cache_dir: Path | None = None  # compiled-blob cache, used only where compiling is slow (GPU/NPU; ov_compile)
     name: str = ""  # how errors name this stage until a StageConfigure names it
@@ -158,7 +160,9 @@ class ShardWorker:
         from engine.shards.runtime import ShardRunner
 
         self.info = ShardInfo.load(self.folder)
-        config = {"INFERENCE_NUM_THREADS": int(self.cfg.threads)} if self.cfg.threads else {}
+        config: dict[str, Any] = {"INFERENCE_NUM_THREADS": int(self.cfg.threads)} if self.cfg.threads else {}
+        if self.cfg.kv_precision and not self.cfg.exact:
+            config["KV_CACHE_PRECISION"] = self.cfg.kv_precision
         t = time.perf_counter()
         self.runner = ShardRunner(self.info, self.cfg.device, exact=self.cfg.exact,
                                   cache_dir=self.cfg.cache_dir, config=config)
@@ -416,6 +420,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     p.add_argument("--next", dest="next_endpoint", help="where outputs go (default: wait for a StageConfigure)")
     p.add_argument("--device", default="CPU", help="OpenVINO device (default CPU)")
     p.add_argument("--exact", action="store_true", help="f32 inference and KV cache")
+    p.add_argument("--kv-precision", choices=KV_PRECISIONS,
+                   help="KV cache element type (default: the plugin's; f16 keeps a read-back of the "
+                        "state lossless, which the pipeline's exact prompt cache needs)")
     p.add_argument("--threads", type=int, help="OpenVINO inference threads (default: the plugin's choice)")
     p.add_argument("--cache-dir", type=Path,
                    help="OpenVINO compiled-blob cache folder (GPU/NPU; on CPU the shard compiles from its IR)")
@@ -427,7 +434,7 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     a = p.parse_args(argv)
     bind = a.bind or (f"tcp://0.0.0.0:{a.port}" if a.port else "tcp://127.0.0.1:*")
     return WorkerConfig(shard=a.shard, bind=bind, next_endpoint=a.next_endpoint, device=a.device,
-                        exact=a.exact, threads=a.threads, cache_dir=a.cache_dir, name=a.name,
+                        exact=a.exact, kv_precision=a.kv_precision, threads=a.threads, cache_dir=a.cache_dir, name=a.name,
                         parent_pid=a.parent_pid, curve=a.curve, next_key=a.next_key)
 
 

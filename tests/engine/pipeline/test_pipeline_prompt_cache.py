@@ -69,3 +69,42 @@ def test_parked_streams_stay_within_the_planned_streams(engine):
     finals = [collect(engine.stream(r.request_id, timeout=120))[2] for r in reqs]
     assert all(f.finish_reason == "length" for f in finals)
     assert len(engine.parked) <= engine.config.max_concurrent
+
+
+CHUNK = 32  # prefill tokens per step: the demo chat spans several chunks
+
+
+@pytest.fixture(scope="module")
+def exact_engine(demo_dir):
+    """The device's default precision (bf16 compute where the CPU has it) with the exact prompt cache."""
+    from engine.local.factory import EngineOptions, open_engine
+
+    demo_dir("demo")
+    eng = open_engine("demo", "pipeline", EngineOptions(extra={
+        "stages": 2, "max_concurrent": 2, "prefill_chunk": CHUNK, "prompt_cache_exact": True}))
+    yield eng
+    eng.close()
+
+
+def test_the_exact_prompt_cache_answers_as_a_fresh_request_at_the_default_precision(exact_engine):
+    """Only whole prefill chunks are reused, computed as a fresh prefill computes them, and the
+    stages keep a 16-bit KV cache (the take-over's read-back of a u8 one re-quantizes it): the
+    follow-up's answer is the uncached one even where a re-split prefill rounds differently."""
+    from engine.pipeline.runner import EXACT_CACHE_KV
+
+    for link in exact_engine.stages:  # the workers were started with the lossless KV cache
+        args = list(link.proc.args)
+        assert args[args.index("--kv-precision") + 1] == EXACT_CACHE_KV
+    first = chat(SYSTEM, ("user", "Tell me about rivers."))
+    ids1, text1, end1 = _ask(exact_engine, "x1", first)
+    second = first + chat(("assistant", text1), ("user", "And lakes?"))
+    ids2, _, end2 = _ask(exact_engine, "x2", second)
+    cached = end2.usage.cached_tokens
+    assert cached % CHUNK == 0 and end1.usage.prompt_tokens - CHUNK < cached <= end1.usage.prompt_tokens
+    exact_engine.set_prompt_cache(0)
+    try:
+        ids3, _, end3 = _ask(exact_engine, "x3", second)
+    finally:
+        exact_engine.set_prompt_cache(exact_engine.config.prompt_cache)
+    assert end3.usage.cached_tokens == 0
+    assert ids2 == ids3

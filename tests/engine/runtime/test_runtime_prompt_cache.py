@@ -1,6 +1,6 @@
 """The one rule of prompt caching (engine/runtime/prompt_cache.py), and the pipeline's parked
 streams built on it (engine/pipeline/prompt_cache.py): which kept state a prompt starts
-from, and how much of it."""
+from, how much of it, and -- with a chunk grid -- only whole chunks computed on that grid."""
 
 from __future__ import annotations
 
@@ -24,6 +24,25 @@ def test_the_longest_shared_prefix_wins_but_never_the_whole_prompt():
 def test_a_short_match_is_not_reused():
     prompt = list(range(100))
     assert best_reuse([list(range(MIN_REUSE - 1)) + [-1]], prompt) == (None, 0)
+
+
+def test_a_grid_keeps_whole_chunks_only():
+    prompt = list(range(300))
+    held = [list(range(250)) + [-1]]
+    assert best_reuse(held, prompt, grid=64) == (0, 192)  # 250 shared -> 3 whole chunks of 64
+    assert best_reuse(held, prompt, grid=512) == (None, 0)  # not one whole chunk shared
+
+
+def test_parked_streams_reuse_only_their_whole_prompt_chunks_on_a_grid():
+    ids = tuple(range(200))  # a 150-id prompt's stream, answered 50 ids
+    parked = ParkedStreams(capacity=2)
+    parked.park(Parked("s1", seq=9, past=200, ids=ids, exact=128))  # 150 -> whole chunks of 64: 128
+    follow_up = list(range(200)) + [7, 8, 9]
+    stream, keep = parked.take(follow_up, grid=64)
+    assert (stream.stream_id, keep) == ("s1", 128)  # the partial chunk and the answer are prefilled again
+    assert len(parked) == 0
+    parked.park(Parked("s2", seq=9, past=200, ids=ids, exact=128))
+    assert parked.take(follow_up)[1] == 200  # without a grid everything shared is kept
 
 
 def test_parked_streams_hand_over_the_longest_match_once():
