@@ -28,7 +28,7 @@ import torch
 from engine.models.demo import CORPUS_PATH, cache_root
 from engine.sparse.predictor import (LowRankPredictor, PredictorConfig, jaccard_consecutive,
                                      recall_precision, temporal_prediction, train_predictor)
-from engine.sparse.weights import FFNLayout, ffn_layout
+from engine.sparse.weights import ffn_layout
 
 Progress = Callable[[str, float], None]
 CALIB_VERSION = 2  # 2: recorded layer by layer from the mmap-backed model

@@ -22,7 +22,6 @@ control port (which refuses our unpaired key: "not paired").
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

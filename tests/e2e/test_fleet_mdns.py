@@ -11,7 +11,6 @@ node 3 is invisible to mDNS but found by manual host:port, both ways.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path

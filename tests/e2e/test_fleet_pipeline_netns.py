@@ -17,7 +17,6 @@ workers and runs greedy requests through the ring. Checked:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

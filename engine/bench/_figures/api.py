@@ -48,6 +48,10 @@ PPHOW = ("`flotilla bench prompt-cache --engine pipeline` (the same model and hi
 PPF = "prompt-cache-pipeline-f32"
 PPFHOW = "`flotilla bench prompt-cache --engine pipeline --precision f32` (the same, exact f32 math and KV)"
 
+PPX = "prompt-cache-pipeline-exact"
+PPXHOW = ("`flotilla bench prompt-cache --engine pipeline --exact-cache` (the same, default compute precision, "
+          "whole prefill chunks reused, f16 KV cache on the stages)")
+
 PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long history", "measured", "how"), (
     Row("history (turn 1's prompt) / turn 2's prompt", "{%s:rounds.0.history_tokens|int} / "
         "{%s:rounds.0.turn2_prompt_tokens|int} tokens (first round)" % (P, P), PHOW),
@@ -74,6 +78,10 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
     Row("2-stage pipeline, default precision, the control: rounds whose uncached answer stays the same "
         "with prefill chunks of half the size", "{%s:other_split_identical_rounds|int} of {%s:round_count|int}"
         % (PP, PP), PPHOW),
+    Row("2-stage pipeline, exact prompt cache: rounds whose cached answer is the uncached one; turn 2's "
+        "`cached_tokens`; turn 2 cached over turn 1",
+        "{%s:identical_rounds|int} of {%s:round_count|int}; {%s:turn2_cached_tokens|int}; {%s:turn2_over_turn1|x}"
+        % (PPX, PPX, PPX, PPX), PPXHOW),
 ))
 
 S = "serve"

@@ -37,8 +37,9 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{prompt-cache-pipeline-f32:goal.identical} in exact f32, "
         "{prompt-cache-pipeline:identical_rounds|int} of {prompt-cache-pipeline:round_count|int} rounds at the "
         "default precision (a bf16 prefill rounds differently per chunk split, and the take-over re-quantizes "
-        "the u8 KV cache: docs/api.md)",
-        "`flotilla bench prompt-cache --engine pipeline` (`--precision f32`)"),
+        "the u8 KV cache: docs/api.md), {prompt-cache-pipeline-exact:identical_rounds|int} of "
+        "{prompt-cache-pipeline-exact:round_count|int} with `--exact-prompt-cache`",
+        "`flotilla bench prompt-cache --engine pipeline` (`--precision f32`, `--exact-cache`)"),
     Row("local engine vs `openvino_genai.LLMPipeline`, same IR (0.9 B random Llama), interleaved rounds "
         "in one process; ours / genai",
         "decode {local:side_by_side.ours_vs_genai.decode_tok_s|x} "

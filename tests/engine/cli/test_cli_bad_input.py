@@ -3,16 +3,13 @@ nothing written half-way (neither in the user's folder nor in the cache)."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_helpers import REPO, run_cli, snapshot
+from cli_helpers import run_cli, snapshot
 
 
 @pytest.fixture()

@@ -17,7 +17,7 @@ import pytest
 from engine.models import demo
 from engine.models.demo import RANDOM_RECIPES, demo_ids, ensure_demo, is_demo_id, recipe_path
 from engine.models.demo_chat import ABOUT_PAIRS, chat_pairs
-from engine.models.demo_corpus import FROZEN_DOCS, build_corpus, compare_manifests, freeze_docs, frozen_docs, is_held_out
+from engine.models.demo_corpus import build_corpus, compare_manifests, freeze_docs, frozen_docs, is_held_out
 
 import torch
 

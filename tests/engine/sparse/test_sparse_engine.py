@@ -1,9 +1,7 @@
 """The sparse engine: exact at threshold 0, the factory, budget changes mid-generation,
 a too-small budget refused, predictors and overlap measured."""
 
-import threading
 
-import numpy as np
 import pytest
 
 from engine.protocol.messages import GenerateRequest, SamplingParams

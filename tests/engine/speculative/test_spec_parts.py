@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import msgpack
-import numpy as np
 import pytest
 
 from engine.protocol import ProtocolError, decode, decode_frames, encode, encode_frames
