@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-prompt-cache", action="store_true",
                    help="a follow-up turn reuses the stages' KV in whole prefill chunks only, and the stages "
                         "keep a 16-bit KV cache, so its greedy answer is the one a fresh request gets at any "
-                        "precision (costs up to 512 tokens of prefill a turn and twice the u8 KV memory)")
+                        "precision (costs up to 512 tokens of prefill a turn)")
     p.add_argument("--plaintext", action="store_true",
                    help="no CURVE between the local stages (loopback only; default: encrypted like a fleet)")
     p.add_argument("-p", "--prompt", help="answer this one prompt and exit (default: an interactive chat)")

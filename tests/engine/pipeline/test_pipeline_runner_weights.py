@@ -98,3 +98,17 @@ def test_even_split_covers_every_layer_once():
     assert runner.even_split(7, 3) == ((0, 3), (3, 5), (5, 7))
     with pytest.raises(PlanError):
         runner.even_split(3, 4)
+
+
+def test_the_exact_prompt_cache_plans_the_stages_kv_at_16_bits(demo_model):
+    """Its workers keep an f16 KV cache (runner.EXACT_CACHE_KV): the plan counts 2 bytes an element,
+    where the default u8 cache costs 1 plus its scales and grows by doubling (KV_U8_GROWTH)."""
+    from engine.planner.memory import KV_U8_GROWTH, kv_element_bytes
+
+    cfg = dataclasses.replace(_cfg("auto", 1 << 40), max_concurrent=2)
+    plain = runner.plan_local(demo_model, cfg, 256)
+    exact = runner.plan_local(demo_model, dataclasses.replace(cfg, prompt_cache_exact=True), 256)
+    u8 = kv_element_bytes("CPU", head_dim=demo_model.head_dim)
+    for a, b in zip(plain.stages, exact.stages):
+        assert a.kv_bytes > 0
+        assert b.kv_bytes == pytest.approx(a.kv_bytes * runner.EXACT_CACHE_KV_BYTES / (u8 * KV_U8_GROWTH), rel=0.01)
