@@ -201,7 +201,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             "identical": all(x["identical"] for x in rows)}
     return {"engine": args.engine, "model": Path(path).name, "history": history, "answer_tokens": args.answer,
             "precision": precision, "pool_size": pool,
-            "kv_cache_precision": EXACT_CACHE_KV if exact_cache and precision != "f32" else kv_cache_precision(precision),
+            "kv_cache_precision": (EXACT_CACHE_KV if exact_cache and precision != "f32"
+                                   else kv_cache_precision(precision)),
             "rounds": rows, "turn2_over_turn1": med("turn2_over_turn1"),
             "cached_over_uncached": med("cached_over_uncached"), "turn1_ttft_s": med("turn1_ttft_s"),
             "turn2_ttft_s": med("turn2_ttft_s"), "turn2_uncached_ttft_s": med("turn2_uncached_ttft_s"),

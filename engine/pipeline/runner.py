@@ -328,7 +328,8 @@ def launch_pipeline(cfg: FleetConfig, progress: Progress | None = None,
         links = fleet.launch(infos)
         pcfg = engine_config or PipelineConfig(
             max_concurrent=cfg.max_concurrent, prefill_chunk=cfg.prefill_chunk,
-            prompt_cache_exact=cfg.prompt_cache_exact, context_length=fleet.context_length, return_bind=f"tcp://{cfg.host}:*",
+            prompt_cache_exact=cfg.prompt_cache_exact, context_length=fleet.context_length,
+            return_bind=f"tcp://{cfg.host}:*",
             ready_timeout_s=cfg.ready_timeout_s, device=cfg.device)
         if fleet.ring_keys is not None and pcfg.curve is None:
             pcfg = dataclasses.replace(pcfg, curve=fleet.ring_keys.coordinator)

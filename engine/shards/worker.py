@@ -434,8 +434,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     a = p.parse_args(argv)
     bind = a.bind or (f"tcp://0.0.0.0:{a.port}" if a.port else "tcp://127.0.0.1:*")
     return WorkerConfig(shard=a.shard, bind=bind, next_endpoint=a.next_endpoint, device=a.device,
-                        exact=a.exact, kv_precision=a.kv_precision, threads=a.threads, cache_dir=a.cache_dir, name=a.name,
-                        parent_pid=a.parent_pid, curve=a.curve, next_key=a.next_key)
+                        exact=a.exact, kv_precision=a.kv_precision, threads=a.threads, cache_dir=a.cache_dir,
+                        name=a.name, parent_pid=a.parent_pid, curve=a.curve, next_key=a.next_key)
 
 
 def main(argv: list[str] | None = None) -> int:
