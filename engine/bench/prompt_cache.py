@@ -147,11 +147,11 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     history = args.history or (600 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)
     precision = getattr(args, "precision", "default")
+    exact_cache = bool(getattr(args, "exact_cache", False))
+    if exact_cache and args.engine != "pipeline":  # refused before the model is built
+        raise SystemExit("--exact-cache is a pipeline setting (the local engine's cache is exact already)")
     path = bench_model(args.model, report)
     report(f"opening {Path(path).name} on the {args.engine} engine (export and compile on first use)")
-    exact_cache = bool(getattr(args, "exact_cache", False))
-    if exact_cache and args.engine != "pipeline":
-        raise SystemExit("--exact-cache is a pipeline setting (the local engine's cache is exact already)")
     if args.engine == "pipeline":
         engine = open_engine(path, "pipeline", EngineOptions(precision=precision, extra={
             "stages": 2, "max_concurrent": 2, "prompt_cache_exact": exact_cache}))

@@ -48,6 +48,7 @@ from engine.shards.worker_process import WorkerStartError
 from engine.core.interface import EngineError
 from engine.planner import weights as plan_weights
 from engine.planner.issues import PlanError
+from engine.planner.memory import kv_element_bytes
 from engine.planner.model import PlanModel
 from engine.planner.peers import DEVICE_KINDS, DeviceProfile, PeerProfile
 from engine.planner.request import PlanRequest
@@ -62,9 +63,8 @@ Progress = Callable[[str, float], None]
 StageProgress = Callable[[int, str, float], None]
 STOP_GRACE_S = 2.0  # graceful stop -> kill
 # The exact prompt cache's KV cache: a take-over reads the kept KV back and writes it again,
-# lossless at 16 bits (by hand: a u8 cache is re-quantized and its logits move), planned at 2 bytes.
+# lossless at 16 bits (by hand: a u8 cache is re-quantized and its logits move).
 EXACT_CACHE_KV = "f16"
-EXACT_CACHE_KV_BYTES = 2.0
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,8 @@ def plan_local(model: PlanModel, cfg: FleetConfig, context_length: int) -> Plan:
     kind = cfg.device.split(".")[0].upper()
     device = DeviceProfile(kind if kind in DEVICE_KINDS else "CPU", cfg.device)
     peers = [PeerProfile(f"local-{i}", f"this PC #{i + 1}", (device,), budget // n) for i in range(n)]
-    kv_bytes = EXACT_CACHE_KV_BYTES if cfg.prompt_cache_exact and not cfg.exact else None
+    exact_cache = cfg.prompt_cache_exact and not cfg.exact  # the workers' KV: EXACT_CACHE_KV, as the planner counts it
+    kv_bytes = kv_element_bytes(device.kind, ir_precision=EXACT_CACHE_KV) if exact_cache else None
     request = PlanRequest(context_length=context_length, streams=cfg.max_concurrent, exact=cfg.exact,
                           kv_dtype_bytes=kv_bytes, weight_precision=plan_weights.check_choice(cfg.weights))
     specs = [(p.peer_id, cfg.device, s, e) for p, (s, e) in zip(peers, ranges)]

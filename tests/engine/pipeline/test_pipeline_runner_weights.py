@@ -111,4 +111,4 @@ def test_the_exact_prompt_cache_plans_the_stages_kv_at_16_bits(demo_model):
     u8 = kv_element_bytes("CPU", head_dim=demo_model.head_dim)
     for a, b in zip(plain.stages, exact.stages):
         assert a.kv_bytes > 0
-        assert b.kv_bytes == pytest.approx(a.kv_bytes * runner.EXACT_CACHE_KV_BYTES / (u8 * KV_U8_GROWTH), rel=0.01)
+        assert b.kv_bytes == pytest.approx(a.kv_bytes * 2.0 / (u8 * KV_U8_GROWTH), rel=0.01)
