@@ -1,16 +1,18 @@
 """`flotilla bench serve`: several users on one PC, through the HTTP API.
 
-For each engine (--engines; default the local engine -- every request in one forward
+Every engine (--engines; default the local engine -- every request in one forward
 pass over a paged KV cache --, the one-request-per-turn loop it replaced (`loop`), the
 batched engine -- openvino_genai's continuous batching -- and openvino_genai's
-LLMPipeline answering one request at a time, on the same IR at the same precision),
-one after the other in this process: open it, serve it with the OpenAI-compatible
-API on loopback, warm it up with a burst of 4-token answers at every concurrency (a
+LLMPipeline answering one request at a time, on the same IR at the same precision) is
+opened at once in this process, each served with the OpenAI-compatible API on its own
+loopback port, and warmed up with a burst of 4-token answers at every concurrency (a
 batching engine meets new input shapes at each, and the CPU plugin builds kernels for
-a shape on first use), then for each concurrency c
-(--concurrency, default 1,4,8,16) c streaming chat requests at once, each a
+a shape on first use). Then, round by round, for each concurrency c (--concurrency,
+default 1,4,8,16) every engine in turn gets c streaming chat requests at once, each a
 different prompt (no engine can re-use another's prefix), greedy, exactly --tokens
-new tokens (ignore_eos). Per concurrency:
+new tokens (ignore_eos). The engines take turns burst by burst, in an order that
+alternates from one burst to the next, so a machine whose speed drifts over minutes
+(a shared VM's does) weighs on every engine alike. Per concurrency:
 
 - aggregate_tok_s: completion tokens of all c answers / wall time from sending the
   first to the last answer's end;
@@ -27,8 +29,8 @@ same engine, prompts of about the same length, answers of the same length),
 constrained_extra_ms_per_token the extra wall time per token of one answer --
 the constrained-decoding overhead a user of the API sees, mask and grammar included.
 
-Rounds (--rounds) alternate the engines' order; figures are medians over rounds,
-ratios (each engine over the first) are taken per round. Random weights: the text
+Figures are medians over rounds (--rounds); ratios (each engine over the first) are
+taken per round, between bursts run one right after the other. Random weights: the text
 is gibberish of a fixed length, which is all a scheduler sees.
 """
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -63,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated: local, loop, batched, llm-pipeline (default all four)")
     p.add_argument("--concurrency", default=None, help="concurrent requests per step (default 1,4,8,16; quick 1,4)")
     p.add_argument("--tokens", type=int, default=None, help="new tokens per answer (default 32; quick 8)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds over every engine (default 2; quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds over every engine (default 3; quick 1)")
 
 
 def _prompt(c: int, i: int, r: int) -> str:
@@ -120,9 +123,7 @@ async def _burst(url: str, model: str, c: int, r: int, tokens: int,
             "texts": [g["text"] for g in got]}
 
 
-def _measure(kind: str, path: str, levels: list[int], tokens: int, r: int,
-             report: Callable[[str], None]) -> dict[str, Any]:
-    from engine.serve.api import ApiServer, create_app
+def _open(kind: str, path: str, levels: list[int]) -> tuple[Any, float]:
     from engine.local.factory import EngineOptions, open_engine
 
     t = time.perf_counter()
@@ -133,33 +134,66 @@ def _measure(kind: str, path: str, levels: list[int], tokens: int, r: int,
         engine = open_llm_pipeline(path, options, None)
     else:
         engine = open_engine(path, kind, options)
-    if hasattr(engine, "max_concurrent") and kind != LLM_PIPELINE:
-        engine.max_concurrent = max(levels)
-    load_s = time.perf_counter() - t
-    try:
-        with ApiServer(create_app(engine)) as server:
-            url = server.url + "/v1/chat/completions"
+        if hasattr(engine, "max_concurrent"):
+            engine.max_concurrent = max(levels)
+    return engine, time.perf_counter() - t
+
+
+def _order(engines: list[str], r: int, li: int, constrained: bool) -> list[str]:
+    """The engines' turn order for one burst: reversed every other burst, so no engine
+    always goes first (module doc)."""
+    return engines if (r + li + constrained) % 2 == 0 else engines[::-1]
+
+
+def _round(served: dict[str, tuple[str, Any]], engines: list[str], levels: list[int], tokens: int, r: int,
+           report: Callable[[str], None]) -> dict[str, Any]:
+    """One round: every concurrency, every engine in turn; then the JSON-schema bursts
+    on the engines that enforce response_format."""
+    out: dict[str, Any] = {"orders": [], **{kind: {"levels": []} for kind in engines}}
+    for li, c in enumerate(levels):
+        order = _order(engines, r, li, False)
+        out["orders"].append(order)
+        for kind in order:
+            url, engine = served[kind]
+            row = aio.run(_burst(url, engine.info.model_id, c, r, tokens))
+            out[kind]["levels"].append(row)
+            report(f"  {kind} c={c}: {row['aggregate_tok_s']:.2f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s "
+                   f"p95 {row['ttft_p95_s']:.2f} s")
+    schema_engines = [k for k in engines if "response_format" not in served[k][1].info.unsupported]
+    for li, c in enumerate(levels):
+        for kind in _order(schema_engines, r, li, True):
+            url, engine = served[kind]
+            # prompts of their own: the free bursts' prompts are in the engines' prompt caches
+            row = aio.run(_burst(url, engine.info.model_id, c, CONSTRAINED_ROUND + r, tokens, DIGITS))
+            if not all(t.startswith("[") and set(t) <= set("[0123456789, \n") for t in row["texts"]):
+                raise RuntimeError(f"the {kind} engine's answers did not hold to the JSON schema")
+            out[kind].setdefault("constrained_levels", []).append(row)
+            report(f"  {kind} c={c} with a JSON schema: {row['aggregate_tok_s']:.2f} tok/s")
+    return out
+
+
+def _serve_all(path: str, engines: list[str], levels: list[int], tokens: int, rounds: int,
+               report: Callable[[str], None]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Open and serve every engine at once, warm each up, then run the rounds."""
+    from engine.serve.api import ApiServer, create_app
+
+    served: dict[str, tuple[str, Any]] = {}
+    load_s: dict[str, float] = {}
+    with contextlib.ExitStack() as stack:
+        for kind in engines:
+            report(f"opening the {kind} engine on {Path(path).name}")
+            engine, load_s[kind] = _open(kind, path, levels)
+            stack.callback(engine.close)
+            server = stack.enter_context(ApiServer(create_app(engine)))
+            served[kind] = (server.url + "/v1/chat/completions", engine)
             # warm-up: first inference, and the shapes of every concurrency (module doc)
             for c in levels:
-                aio.run(_burst(url, engine.info.model_id, c, -1, 4))
-            out = {"load_s": round(load_s, 2), "levels": []}
-            for c in levels:
-                row = aio.run(_burst(url, engine.info.model_id, c, r, tokens))
-                out["levels"].append(row)
-                report(f"  {kind} c={c}: {row['aggregate_tok_s']:.2f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s "
-                       f"p95 {row['ttft_p95_s']:.2f} s")
-            if "response_format" not in engine.info.unsupported:
-                out["constrained_levels"] = []
-                for c in levels:
-                    # prompts of their own: the free bursts' prompts are in the engines' prompt caches
-                    row = aio.run(_burst(url, engine.info.model_id, c, CONSTRAINED_ROUND + r, tokens, DIGITS))
-                    if not all(t.startswith("[") and set(t) <= set("[0123456789, \n") for t in row["texts"]):
-                        raise RuntimeError(f"the {kind} engine's answers did not hold to the JSON schema")
-                    out["constrained_levels"].append(row)
-                    report(f"  {kind} c={c} with a JSON schema: {row['aggregate_tok_s']:.2f} tok/s")
-            return out
-    finally:
-        engine.close()
+                aio.run(_burst(served[kind][0], engine.info.model_id, c, -1, 4))
+        per_round = []
+        for r in range(rounds):
+            report(f"round {r + 1}/{rounds}")
+            per_round.append(_round(served, engines, levels, tokens, r, report))
+    return per_round, load_s
 
 
 def _constrained(per_round: list[dict[str, Any]], kind: str, li: int, c: int) -> dict[str, Any]:
@@ -180,16 +214,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     levels = [int(x) for x in (args.concurrency or ("1,4" if args.quick else "1,4,8,16")).split(",")]
     tokens = args.tokens or (8 if args.quick else 32)
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     path = bench_model(args.model or ("demo" if args.quick else "random-llama-0.9b"), report)
-    per_round = []
-    for r in range(rounds):
-        order = engines if r % 2 == 0 else engines[::-1]
-        got = {}
-        for kind in order:
-            report(f"round {r + 1}/{rounds}: {kind} engine on {Path(path).name}")
-            got[kind] = _measure(kind, path, levels, tokens, r, report)
-        per_round.append({"order": order, **got})
+    per_round, load_s = _serve_all(path, engines, levels, tokens, rounds, report)
     base = engines[0]
     figures: dict[str, Any] = {}
     for kind in engines:
@@ -207,7 +234,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                     x["aggregate_tok_s"] / rd[base]["levels"][li]["aggregate_tok_s"] for x, rd in zip(cells, per_round)),
                 "same_as_first_engine": statistics.median(same),
             })
-        figures[kind] = {"levels": rows, "load_s": statistics.median(rd[kind]["load_s"] for rd in per_round)}
+        figures[kind] = {"levels": rows, "load_s": round(load_s[kind], 2)}
         if "constrained_levels" in per_round[0][kind]:
             figures[kind]["constrained"] = [_constrained(per_round, kind, li, c) for li, c in enumerate(levels)]
     best = {c: max(engines, key=lambda k: figures[k]["levels"][i]["aggregate_tok_s"]) for i, c in enumerate(levels)}

@@ -75,6 +75,8 @@ class Engine(ABC):
         self._lock = threading.Lock()
         self._closed = False
         self._ended: set[str] = set()  # ids whose final event was emitted but not read yet
+        # Requests read by async_stream: request id -> (its loop, the event _emit sets there).
+        self._wakers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self.max_pending = DEFAULT_MAX_PENDING  # bound on running + queued requests (backpressure)
         self.mean_request_s = 0.0  # moving average of request wall time, for Retry-After
 
@@ -119,19 +121,25 @@ class Engine(ABC):
             self._forget(request_id)
 
     async def async_stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
-        """The same as stream(), awaiting each event on the running loop."""
+        """The same as stream(), awaiting each event on the running loop.
+
+        _emit wakes the loop itself (call_soon_threadsafe): no thread waits per stream,
+        so a burst of concurrent streams is not held up behind the loop's small default
+        thread pool, and each token costs one hand-over between threads, not two."""
         q = self._queue(request_id)
+        wake = asyncio.Event()
+        with self._lock:
+            self._wakers[request_id] = (asyncio.get_running_loop(), wake)
         try:
             while True:
                 try:
                     event = q.get_nowait()
                 except queue.Empty:
-                    # A short blocking get in a worker thread: wakes as soon as an
-                    # event lands, and a cancelled task leaves no thread behind for long.
-                    try:
-                        event = await asyncio.to_thread(q.get, True, 0.25)
-                    except queue.Empty:
-                        continue
+                    # _emit puts, then sets `wake` on this loop: an event put after the
+                    # get above sets it after this wait began, so none is missed.
+                    await wake.wait()
+                    wake.clear()
+                    continue
                 yield event
                 if event.final:
                     return
@@ -188,8 +196,15 @@ class Engine(ABC):
                 self._ended.add(event.request_id)
                 if event.timings is not None:  # for Retry-After estimates
                     self.mean_request_s = 0.8 * self.mean_request_s + 0.2 * event.timings.total_s
+            waker = self._wakers.get(event.request_id)
         if q is not None:
             q.put(event)
+        if waker is not None:
+            loop, wake = waker
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the reader's loop is closed: nobody is reading
+                pass
 
     # -- internals -------------------------------------------------------------
     def _queue(self, request_id: str) -> queue.SimpleQueue[TokenEvent]:
@@ -203,3 +218,4 @@ class Engine(ABC):
         with self._lock:
             self._queues.pop(request_id, None)
             self._ended.discard(request_id)
+            self._wakers.pop(request_id, None)

@@ -32,6 +32,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -171,6 +172,7 @@ class LocalFleet:
         self.procs: list[subprocess.Popen] = []
         self.links: list[StageLink] = []
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="flotilla-pipeline-"))
+        self._own_log_dir = not cfg.log_dir  # a temporary folder: removed at stop() unless a stage died
         self.ring_keys: Any = None  # engine.transport.curve_data.LocalRingKeys when cfg.curve
         self.on_stage: StageProgress = lambda _i, _phase, _f: None  # launch_pipeline(on_stage=...)
         self._stopped = False
@@ -261,9 +263,13 @@ class LocalFleet:
             atexit.unregister(self.stop)
         except Exception:
             pass
+        # A stage that ended on its own with an error: its log is what an error message names.
+        died = any(p.poll() not in (None, 0) for p in procs)
         process.stop_all(procs, STOP_GRACE_S)
         if self.ring_keys is not None:
             self.ring_keys.cleanup()
+        if self._own_log_dir and not died:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 class PipelineLaunchError(RuntimeError):

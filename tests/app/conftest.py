@@ -6,7 +6,9 @@ and conftest files load before the test modules that do.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -20,6 +22,7 @@ os.environ["QT_QPA_PLATFORM"] = os.environ.get("FLOTILLA_TEST_QPA", "offscreen")
 # whole session, and the other suites (fleet, e2e) must not see the app's
 # paired keys or data folder.
 _HOME = tempfile.mkdtemp(prefix="flotilla-apptest-")
+atexit.register(shutil.rmtree, _HOME, True)  # the suite leaves nothing in the temp folder
 _APP_ENV = {"FLOTILLA_DATA": os.path.join(_HOME, "data"), "FLOTILLA_CONFIG": os.path.join(_HOME, "config")}
 # Fleet discovery of the app under test: mDNS on loopback only (nothing leaves
 # the machine), as a user would set it in Settings.

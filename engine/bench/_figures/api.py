@@ -86,7 +86,8 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
 
 S = "serve"
 SHOW = ("`flotilla bench serve` (0.9 B random Llama, bf16, default precision; streaming chat requests of "
-        "32 greedy tokens through the API; 2 rounds per run, engine order alternating)")
+        "32 greedy tokens through the API; every engine open at once, taking turns burst by burst in an "
+        "alternating order; 3 rounds per run)")
 
 
 def _serve_rows(i: int, c: int) -> tuple[Row, ...]:

@@ -24,8 +24,9 @@ def test_serve_bench_runs_every_engine_at_every_concurrency(demo_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(out_file.read_text())
     assert out["engines"] == ENGINES and out["concurrency"] == [1, 3]
-    for rd, order in zip(out["per_round"], (ENGINES, ENGINES[::-1])):
-        assert rd["order"] == order  # rounds alternate the order
+    for r, rd in enumerate(out["per_round"]):
+        # the engines take turns burst by burst, the order reversed from one burst to the next
+        assert rd["orders"] == ([ENGINES, ENGINES[::-1]] if r == 0 else [ENGINES[::-1], ENGINES])
         for kind in ENGINES:
             for cell, c in zip(rd[kind]["levels"], (1, 3)):
                 assert cell["concurrency"] == c and cell["tokens"] == 6 * c  # ignore_eos: every token came

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import time
 
@@ -31,6 +32,7 @@ def engine(demo_dir):
     yield eng
     eng.close()
     assert all(p.poll() is not None for p in eng.fleet.procs)
+    assert not eng.fleet.log_dir.exists(), "a clean run left its temporary log folder behind"
 
 
 def _ids(engine, messages) -> list[int]:
@@ -153,6 +155,9 @@ def test_killed_stage_is_reported_by_name_within_5s(demo_dir):
     finally:
         eng.close()
     assert all(p.poll() is not None for p in eng.fleet.procs), "close() left stage processes behind"
+    # the stage that died keeps the log its error names; the test cleans it up
+    assert (eng.fleet.log_dir / "stage-1.log").is_file()
+    shutil.rmtree(eng.fleet.log_dir)
 
 
 def test_a_stage_that_fails_to_load_is_named_and_nothing_is_left(demo_dir, monkeypatch, tmp_path):
@@ -171,7 +176,7 @@ def test_a_stage_that_fails_to_load_is_named_and_nothing_is_left(demo_dir, monke
 
     monkeypatch.setattr(runner.subprocess, "Popen", popen)
     with pytest.raises(EngineError, match=r"stage \d \(layers \d–\d, pid \d+\) exited with code 1"):
-        runner.launch_pipeline(runner.FleetConfig(model="demo", stages=2, ready_timeout_s=60))
+        runner.launch_pipeline(runner.FleetConfig(model="demo", stages=2, ready_timeout_s=60, log_dir=tmp_path))
     assert len(started) == 2 and all(p.poll() is not None for p in started)
 
 
