@@ -57,6 +57,9 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
     return {"tok_s": out_tokens / wall, "s_per_token": wall / out_tokens,
             "tpot_s": statistics.mean(tpot) if tpot else 0.0, "hit_rate": st["hit_rate"],
             "mb_per_token": st["bytes_read"] / 1e6 / out_tokens, "mean_group": st["mean_group"],
+            # of those, bytes read on a guess (prefetch's prediction, bevy_guess's idle-fill) no request used
+            "mb_unused_per_token": st["unused_bytes"] / 1e6 / out_tokens,
+            "guess_reads": st["guess_reads"],
             "mean_batch": st["mean_batch"],
             "disk_mb_s_busy": st["bytes_read"] / 1e6 / st["io_busy_s"] if st["io_busy_s"] else 0.0,
             "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall,

@@ -42,7 +42,10 @@ The disk rate of the I/O term is the probe's or, when higher, the best rate a
 scheduler of that concurrency got while its reads were in flight
 (`disk_mb_s_used`), so that the bound is a bound.
 `--schedulers ...,on_demand_overlap` adds the ablation of docs/moe.md
-(on_demand computing each expert as soon as it lands).
+(on_demand computing each expert as soon as it lands), `...,bevy_guess`
+Bevy reading guessed experts when its disk would idle (`bevy_guess_over_bevy`).
+`mb_unused_per_token`: the bytes read on a guess (prefetch's, bevy_guess's)
+that no request used; the bound's I/O term counts the bytes Bevy needed.
 
 `io` records what the reads went through: {"requested", "effective",
 "fallback_reason"} (this OS's unbuffered mode -- "o_direct" on Linux -- or "buffered"),
@@ -211,6 +214,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         out["goals"] = {"speedup_vs_on_demand": 3.5, "speedup_vs_prefetch": 1.6}
         if "on_demand_overlap" in table and top in table["on_demand_overlap"]:
             out["speedup_vs_on_demand_overlap"] = round(b["tok_s"] / table["on_demand_overlap"][top]["tok_s"], 3)
+        if "bevy_guess" in table and top in table["bevy_guess"]:
+            out["bevy_guess_over_bevy"] = round(table["bevy_guess"][top]["tok_s"] / b["tok_s"], 3)
         if "resident" in table or real:
             bound = {}
             out["compute_bound_from"] = "bevy compute time" if real else "resident run"
@@ -221,7 +226,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                 # the disk's rate: the probe's, or the best a scheduler got while its reads were in
                 # flight when that is higher (a full, long queue), so that no run beats its bound
                 rate = max([disk] + [table[s][c]["disk_mb_s_busy"] * 1e6 for s in ("bevy", "on_demand", "prefetch")])
-                io = table["bevy"][c]["mb_per_token"] * 1e6 / rate
+                # the bytes Bevy needed: what it read less the guesses no request used
+                io = (table["bevy"][c]["mb_per_token"] - table["bevy"][c].get("mb_unused_per_token", 0.0)) * 1e6 / rate
                 row = {"compute_s_per_token": round(compute, 5), "io_s_per_token": round(io, 5),
                        "bound_s_per_token": round(max(compute, io), 5), "disk_mb_s_used": round(rate / 1e6, 1),
                        # on_demand's own I/O plus compute, nothing overlapped; its ratio to the

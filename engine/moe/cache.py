@@ -46,6 +46,8 @@ class CacheStats:
     hits: int = 0  # of those, resident when routed
     evictions: int = 0  # experts dropped to make room
     inserts: int = 0  # experts loaded into slots
+    unasked: int = 0  # of those, loaded on a guess (nobody waited for them)
+    unasked_unused: int = 0  # of those, evicted before any request used them (bytes read in vain)
 
     @property
     def hit_rate(self) -> float:
@@ -115,6 +117,7 @@ class ExpertCache:
         self._decay_every = decay_every or max(64, 4 * n)
         self._dist: dict[int, int] = {}  # layer -> layers until some request needs it (plan())
         self._wanted: set[Key] = set()  # experts routed requests wait for now (plan())
+        self._unused: set[Key] = set()  # loaded on a guess, not pinned by a request yet
         self._cond = threading.Condition()
         self.stats = CacheStats()
 
@@ -170,6 +173,7 @@ class ExpertCache:
             if i is None:
                 return None
             self._slots[i].pins += 1
+            self._unused.discard(key)
             return self._slots[i].views
 
     def pin_many(self, keys) -> dict[Key, dict]:
@@ -180,6 +184,7 @@ class ExpertCache:
                 i = self._where.get(key)
                 if i is not None:
                     self._slots[i].pins += 1
+                    self._unused.discard(key)
                     out[key] = self._slots[i].views
         return out
 
@@ -203,6 +208,11 @@ class ExpertCache:
         """The aligned buffer of a reserved slot (for the store to read into)."""
         return self._slots[slot].buf
 
+    def guessed_unused(self) -> int:
+        """Experts loaded on a guess that no request used: evicted so, or still waiting."""
+        with self._cond:
+            return self.stats.unasked_unused + len(self._unused)
+
     def pinned(self) -> int:
         with self._cond:
             return sum(1 for s in self._slots if s.pins or s.filling)
@@ -219,18 +229,25 @@ class ExpertCache:
                     if s.key is not None:
                         del self._where[s.key]
                         self.stats.evictions += 1
+                        if s.key in self._unused:
+                            self._unused.discard(s.key)
+                            self.stats.unasked_unused += 1
                     s.key, s.filling = None, True
                     return i
                 if not self._cond.wait(timeout):
                     return None
 
-    def commit(self, slot: int, key: Key, pins: int = 1) -> None:
-        """The fetch of `key` into `slot` finished: make it resident (pinned for its waiters)."""
+    def commit(self, slot: int, key: Key, pins: int = 1, guess: bool = False) -> None:
+        """The fetch of `key` into `slot` finished: make it resident (pinned for its waiters);
+        guess: nobody asked for it (a prediction), counted as read in vain if evicted unused."""
         with self._cond:
             s = self._slots[slot]
             s.key, s.filling, s.pins = key, False, pins
             self._where[key] = slot
             self.stats.inserts += 1
+            if guess:  # used once a request pins it
+                self._unused.add(key)
+                self.stats.unasked += 1
             self._cond.notify_all()
 
     def release(self, slot: int) -> None:

@@ -48,7 +48,7 @@ Progress = Callable[[str, float], None]
 
 @dataclass(frozen=True)
 class MoEConfig:
-    scheduler: str = "bevy"  # "bevy", or a baseline: "on_demand", "prefetch", "resident" (or "on_demand_overlap")
+    scheduler: str = "bevy"  # "bevy", or a baseline: "on_demand", "prefetch", "resident" (ablations: ABLATIONS)
     cache_budget_bytes: int | None = None  # RAM for cached experts; None = what is left once weights and KV are in
     weights: str | None = None  # None: the checkpoint's dtype (bf16 stays bf16); "int8": quantized per row
     kv_precision: str = "f16"  # KV cache dtype: "f16" (16-bit) or "f32" (exact, for equivalence tests)
@@ -184,7 +184,9 @@ class MoEEngine(InboxEngine):
         return {**self.memory, "scheduler": self.config.scheduler, "cache_slots": self.cache.capacity,
                 "direct_io": self.store.direct, "demands": c.demands, "hits": c.hits,
                 "hit_rate": c.hit_rate, "bytes_read": self.store.bytes_read, "blobs_read": self.store.reads,
-                "speculative_reads": f.speculative, "io_busy_s": f.busy_s, "compute_s": s.compute_s,
+                "speculative_reads": f.speculative, "guess_reads": f.fills,
+                "unused_bytes": self.cache.guessed_unused() * self.cache.index.blob_bytes,
+                "io_busy_s": f.busy_s, "compute_s": s.compute_s,
                 "wait_s": s.wait_s, "passes": s.passes, "groups": s.groups,
                 "mean_batch": s.batch_rows / s.batches if s.batches else 0.0,
                 "mean_group": float(np.mean(s.group_sizes)) if s.group_sizes else 0.0}

@@ -9,6 +9,11 @@ lands *held* (pinned once) until the scheduler has used it, so it cannot be
 evicted before its waiters ran; a speculative fetch (prediction baseline)
 lands unpinned.
 
+An *idle-fill* fetch (priority below 0: the bevy_guess ablation's guesses) is
+a read the disk does only when it has nothing else to do: it is taken after
+every real request, and at most one is in flight, so a request that arrives
+meanwhile finds the other threads free for it.
+
 A failed read (I/O error, checksum mismatch) is recorded per expert; the
 scheduler ends the requests that need it with that error.
 """
@@ -27,11 +32,19 @@ from engine.moe.store import ExpertStore, Key
 
 log = logging.getLogger(__name__)
 
+MAX_FILL_INFLIGHT = 1  # idle-fill reads in flight at once (the other threads stay free for real misses)
+
+
+def is_fill(priority: float) -> bool:
+    """An idle-fill priority (below every real request's, which are >= 0)."""
+    return priority < 0.0
+
 
 @dataclass
 class FetchStats:
     fetched: int = 0  # blobs read
     speculative: int = 0  # of those, fetched on a prediction
+    fills: int = 0  # of those, idle-fill guesses (bevy_guess)
     busy_s: float = 0.0  # wall time with at least one read in flight (disk busy)
     read_s: float = 0.0  # sum of per-read times over all threads
 
@@ -45,6 +58,7 @@ class Fetcher:
         self._queued: dict[Key, float] = {}  # key -> current priority (in the heap, not started)
         self._hold: dict[Key, bool] = {}  # key -> pin on arrival (someone waits for it)
         self._inflight: set[Key] = set()
+        self._fills: set[Key] = set()  # idle-fill reads in flight
         self._arrived: list[Key] = []  # landed, held, not yet handed to the scheduler
         self.errors: dict[Key, BaseException] = {}
         self._order = itertools.count()
@@ -91,6 +105,14 @@ class Fetcher:
         with self._cv:
             self._queued.pop(key, None)
 
+    def drop_fills(self) -> None:
+        """Forget the idle-fill guesses still queued (a newer guess replaces them); a
+        key a real request has asked for since keeps its place."""
+        with self._cv:
+            for key in [k for k, pri in self._queued.items() if is_fill(pri)]:
+                del self._queued[key]
+                self._hold.pop(key, None)
+
     def take_arrived(self, wait_s: float = 0.0) -> list[Key]:
         """Experts that landed held since the last call (waits up to wait_s for one)."""
         with self._cv:
@@ -100,8 +122,9 @@ class Fetcher:
             return out
 
     def idle(self) -> bool:
+        """Nothing to read but idle-fill guesses."""
         with self._cv:
-            return not self._queued and not self._inflight
+            return not self._inflight - self._fills and not any(not is_fill(p) for p in self._queued.values())
 
     def close(self) -> None:
         with self._cv:
@@ -115,13 +138,20 @@ class Fetcher:
         with self._cv:
             while not self._stop:
                 while self._heap:
-                    neg, _, key = heapq.heappop(self._heap)
-                    if self._queued.get(key) == -neg:  # else a stale or dropped entry
-                        del self._queued[key]
-                        self._inflight.add(key)
-                        if self._busy_since is None:
-                            self._busy_since = time.perf_counter()
-                        return key
+                    neg, _, key = self._heap[0]
+                    if self._queued.get(key) != -neg:  # a stale or dropped entry
+                        heapq.heappop(self._heap)
+                        continue
+                    if is_fill(-neg) and len(self._fills) >= MAX_FILL_INFLIGHT:
+                        break  # only guesses left, and one is being read: wait
+                    heapq.heappop(self._heap)
+                    del self._queued[key]
+                    self._inflight.add(key)
+                    if is_fill(-neg):
+                        self._fills.add(key)
+                    if self._busy_since is None:
+                        self._busy_since = time.perf_counter()
+                    return key
                 self._cv.wait()
             return None
 
@@ -137,7 +167,7 @@ class Fetcher:
                 self.store.read_into(key, self.cache.buffer(slot))
                 with self._cv:
                     hold = self._hold.pop(key, True)
-                self.cache.commit(slot, key, pins=1 if hold else 0)
+                self.cache.commit(slot, key, pins=1 if hold else 0, guess=not hold)
                 self._finish(key, t0, arrived=hold, speculative=not hold)
             except BaseException as e:  # recorded; the scheduler fails the requests that need it
                 if slot is not None:
@@ -156,6 +186,8 @@ class Fetcher:
             if key not in self.errors:
                 self.stats.fetched += 1
                 self.stats.speculative += speculative
+                self.stats.fills += key in self._fills
+            self._fills.discard(key)
             if not self._inflight and self._busy_since is not None:
                 self.stats.busy_s += now - self._busy_since
                 self._busy_since = None

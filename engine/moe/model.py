@@ -319,8 +319,14 @@ class MoEModel:
     def predict(self, layer: int, h: torch.Tensor) -> set[int]:
         """The prediction baseline: `layer`'s router applied to another layer's
         hidden state h [N, H] (the experts it guesses `layer` will pick)."""
-        _, _, experts = self.layers[layer].mlp.gate(h)
-        return set(experts.unique().tolist())
+        return set(self.predict_counts(layer, h))
+
+    @torch.inference_mode()
+    def predict_counts(self, layer: int, h: torch.Tensor) -> dict[int, int]:
+        """predict(), with how many rows of h each guessed expert was picked for."""
+        _, _, experts = self.layers[layer].mlp.gate(h)  # [N, top_k]
+        ids, counts = experts.unique(return_counts=True)
+        return dict(zip(ids.tolist(), counts.tolist()))
 
     @torch.inference_mode()
     def apply_expert(self, expert: int, views: dict, parts: list[tuple[Batch, list[int]]]) -> None:

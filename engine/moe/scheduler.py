@@ -21,6 +21,13 @@ and each expert is applied once to all rows that wait for it.
   attention and the head once, while the disk is busy; it runs ahead when the
   disk would idle). Within a layer no request waits for another's experts.
   Fetch threads read while this thread computes.
+* "bevy_guess" (an ablation, not a listed scheduler): Bevy whose disk reads
+  guesses when it would idle: each batch that enters a layer applies the next
+  MoE layer's router to its hidden state and asks for the experts it picks as
+  idle-fill reads (fetcher.py: after every real miss, one at a time, replaced
+  by the next batch's guesses). A guess nobody used is counted
+  (cache.stats.unasked_unused). Not Bevy's default: measured by hand beside
+  it, the gain was inside the runs' noise (docs/moe.md).
 * "on_demand" (lockstep, llama.cpp-style): all sequences advance layer by
   layer together; at each layer the missing experts are read (in parallel,
   the same fetcher, a full disk queue) while the batch waits, then the
@@ -46,7 +53,8 @@ from engine.moe.model import Batch, MoEModel, SeqState
 from engine.moe.store import Key
 
 SCHEDULERS = ("bevy", "on_demand", "prefetch", "resident")
-ABLATIONS = ("on_demand_overlap",)  # on_demand computing each expert as it lands (docs/moe.md)
+# on_demand computing each expert as it lands; Bevy reading guesses when the disk would idle (docs/moe.md)
+ABLATIONS = ("on_demand_overlap", "bevy_guess")
 NOW = 1e12  # fetch priority of experts a lockstep batch is blocked on
 
 
@@ -308,8 +316,10 @@ class BevyScheduler(Scheduler):
 
     name = "bevy"
 
-    def __init__(self, model: MoEModel, cache: ExpertCache, fetcher: Fetcher) -> None:
+    def __init__(self, model: MoEModel, cache: ExpertCache, fetcher: Fetcher, guess: bool = False) -> None:
         super().__init__(model, cache, fetcher)
+        self.guess = guess  # idle-fill reads of the next layer's guessed experts
+        self.name = "bevy_guess" if guess else "bevy"
         self._held: set[Key] = set()  # arrived for waiters, pinned once, waiters not all served yet
         self._batches: list[Batch] = []  # batches at some layer with requests waiting for experts
         self._asked: dict[Key, float] = {}  # fetches asked for, at which priority
@@ -395,12 +405,14 @@ class BevyScheduler(Scheduler):
                 nb = self._next(parts)
                 if nb is not None:
                     self._batches.append(nb)
+                    self._guess(nb)
         fresh = [s for s in self.seqs.values() if s.layer < 0 and s.feed]  # admitted, or a next token
         if fresh:  # their next pass enters layer 0 as one batch
             entering[-1] = []
             b = self._start(fresh)
             if b is not None:
                 self._batches.append(b)
+                self._guess(b)
         if entering:
             self._plan({(b.layer, e) for b in self._batches for e in b.todo})
         self.stats.compute_s += time.perf_counter() - t0
@@ -411,6 +423,18 @@ class BevyScheduler(Scheduler):
             self._arrivals(0.05)
             self.stats.wait_s += time.perf_counter() - t
         return False
+
+    def _guess(self, b: Batch) -> None:
+        """The experts b will likely need at the next MoE layer (that layer's router on
+        b's hidden state here), asked for as idle-fill reads, the most picked first; they
+        replace the guesses of the batch before, which it has passed or nearly."""
+        nxt = min((layer for layer in self.model.moe_layers if layer > b.layer), default=None)
+        if not self.guess or nxt is None or b.h is None:
+            return
+        self.fetcher.drop_fills()
+        for e, n in sorted(self.model.predict_counts(nxt, b.h).items(), key=lambda kv: -kv[1]):
+            if not self.cache.resident((nxt, e)):
+                self.fetcher.request((nxt, e), priority=-1.0 / (1 + n), hold=False)
 
     def _take_entering(self) -> tuple[dict, dict]:
         """(the lined-up groups that enter their next layer now, the ones that keep waiting):
@@ -455,6 +479,8 @@ def entering_now(lined_up: dict[int, int], behind: list[int], disk_idle: bool) -
 def make_scheduler(kind: str, model: MoEModel, cache: ExpertCache, fetcher: Fetcher) -> Scheduler:
     if kind == "bevy":
         return BevyScheduler(model, cache, fetcher)
+    if kind == "bevy_guess":  # not a listed scheduler: the ablation of docs/moe.md
+        return BevyScheduler(model, cache, fetcher, guess=True)
     if kind in ("on_demand", "prefetch", "resident"):
         return LockstepScheduler(model, cache, fetcher, kind)
     if kind == "on_demand_overlap":  # not a listed baseline: the overlap ablation of docs/moe.md
