@@ -46,7 +46,22 @@ def _headline(src: str) -> Table:
         Row("disk, the engine's reader (4 threads, median of a run's repeats)", f"{f('disk_mb_s', 'f0')} MB/s", how),
         Row("wall time of one run", f"{f('wall_s', 'f0')} s", how),
         *(_quality(src) if src in MEASURES_QUALITY else ()),
+        *(_guess(src) if src in RUNS_GUESS else ()),
     ))
+
+
+# Sources whose runs include the bevy_guess ablation (Bevy reading guesses when its disk would idle).
+RUNS_GUESS = ("moe-quick",)
+
+
+def _guess(src: str) -> tuple[Row, ...]:
+    how = f"{SOURCES[src]} `--schedulers bevy,on_demand,prefetch,bevy_guess`"
+    p = "results.bevy_guess.16."
+    return (Row("`bevy_guess` (ablation: Bevy's disk reads guessed experts when it would idle) over Bevy",
+                f"{_f(src, 'bevy_guess_over_bevy', 'x')} at 16 requests; it read "
+                f"{_f(src, p + 'mb_per_token', 'f0')} MB per token, {_f(src, p + 'mb_unused_per_token', 'f0')} "
+                f"of them guesses no request used; tokens equal to on_demand's: "
+                f"{_f(src, p + 'same_tokens_as_on_demand', 'pct')}", how),)
 
 
 # Sources whose runs record how the matmuls ran and every scheduler's answers (older runs do not).
@@ -84,7 +99,8 @@ def _results(src: str) -> Table:
         ("scheduler, requests", "tok/s (aggregate)", "TPOT per request (s)", "hit rate", "MB read / token",
          "disk busy", "compute thread busy", "disk MB/s while busy", "cache (MB)", "group peak (MB)",
          "JSON field"),  # type: ignore[arg-type]
-        tuple(_result_row(src, s, c) for s in SCHEDULERS for c in CONCURRENCY))
+        tuple(_result_row(src, s, c) for s in SCHEDULERS + (("bevy_guess",) if src in RUNS_GUESS else ())
+              for c in CONCURRENCY))
 
 
 def _bound_row(src: str, conc: str) -> Row:
