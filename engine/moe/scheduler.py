@@ -26,8 +26,8 @@ and each expert is applied once to all rows that wait for it.
   MoE layer's router to its hidden state and asks for the experts it picks as
   idle-fill reads (fetcher.py: after every real miss, one at a time, replaced
   by the next batch's guesses). A guess nobody used is counted
-  (cache.stats.unasked_unused). Not Bevy's default: measured by hand beside
-  it, the gain was inside the runs' noise (docs/moe.md).
+  (cache.stats.unasked_unused). Not Bevy's default: measured beside
+  it in `bench moe --quick`, its gain was inside the runs' spread (docs/moe.md).
 * "on_demand" (lockstep, llama.cpp-style): all sequences advance layer by
   layer together; at each layer the missing experts are read (in parallel,
   the same fetcher, a full disk queue) while the batch waits, then the
