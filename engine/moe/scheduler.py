@@ -428,8 +428,10 @@ class BevyScheduler(Scheduler):
         """The experts b will likely need at the next MoE layer (that layer's router on
         b's hidden state here), asked for as idle-fill reads, the most picked first; they
         replace the guesses of the batch before, which it has passed or nearly."""
+        if not self.guess or b.h is None:
+            return
         nxt = min((layer for layer in self.model.moe_layers if layer > b.layer), default=None)
-        if not self.guess or nxt is None or b.h is None:
+        if nxt is None:
             return
         self.fetcher.drop_fills()
         for e, n in sorted(self.model.predict_counts(nxt, b.h).items(), key=lambda kv: -kv[1]):
