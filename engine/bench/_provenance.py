@@ -82,7 +82,8 @@ def _openvino_cpu() -> dict[str, Any] | None:
 
         core = ov.Core()
         caps = list(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
-        hint = str(core.get_property("CPU", "INFERENCE_PRECISION_HINT"))
+        hint = core.get_property("CPU", "INFERENCE_PRECISION_HINT")  # an ov.Type: "bf16", "f32", "f16"
+        hint = getattr(hint, "type_name", None) or str(hint)
         return {"version": ov.get_version(), "capabilities": caps, "default_precision": hint}
     except Exception:  # noqa: BLE001 - provenance must never fail a benchmark
         return None

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -83,6 +84,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
+    logs = Path(tempfile.mkdtemp(prefix="flotilla-bench-pipeline-"))  # the workers' logs
+    try:
+        out = _measure(args, report, logs)
+    except BaseException:
+        if any(logs.iterdir()):
+            report(f"the workers' logs are kept in {logs}")
+        else:
+            logs.rmdir()
+        raise
+    shutil.rmtree(logs, ignore_errors=True)  # a finished run: nothing there anyone needs
+    return out
+
+
+def _measure(args: argparse.Namespace, report: Callable[[str], None], logs: Path) -> dict[str, Any]:
     from engine.bench.shards import dense_recipe, model_summary
     from engine.pipeline.runner import even_split
     from engine.models.demo import cache_root, ensure_recipe
@@ -124,7 +139,6 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     tok = AutoTokenizer.from_pretrained(str(path))
     prompts = [prompt_ids(tok, p) for p in PROMPTS]
     blobs = str(cache_root() / "ov-blobs")
-    logs = Path(tempfile.mkdtemp(prefix="flotilla-bench-pipeline-"))
     common = {"model_path": str(path), "model_id": recipe.demo_id, "threads": args.threads,
               "blobs": blobs, "log_dir": str(logs)}
     load = {"before": os.getloadavg()}

@@ -171,7 +171,9 @@ class LocalFleet:
         self.plan = plan_local(model, cfg, self.context_length)
         self.procs: list[subprocess.Popen] = []
         self.links: list[StageLink] = []
-        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="flotilla-pipeline-"))
+        # None until launch() has a worker log to write: a fleet that never launches (a refused
+        # export, a cancel) leaves no empty folder behind
+        self.log_dir: Path | None = Path(cfg.log_dir) if cfg.log_dir else None
         self._own_log_dir = not cfg.log_dir  # a temporary folder: removed at stop() unless a stage died
         self.ring_keys: Any = None  # engine.transport.curve_data.LocalRingKeys when cfg.curve
         self.on_stage: StageProgress = lambda _i, _phase, _f: None  # launch_pipeline(on_stage=...)
@@ -210,6 +212,8 @@ class LocalFleet:
         from engine.models.demo import cache_root
 
         atexit.register(self.stop)
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="flotilla-pipeline-"))
         blobs = cache_root() / "ov-blobs"
         if self.cfg.curve:
             from engine.transport.curve_data import LocalRingKeys
@@ -268,7 +272,7 @@ class LocalFleet:
         process.stop_all(procs, STOP_GRACE_S)
         if self.ring_keys is not None:
             self.ring_keys.cleanup()
-        if self._own_log_dir and not died:
+        if self._own_log_dir and self.log_dir is not None and not died:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
 

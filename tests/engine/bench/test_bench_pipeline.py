@@ -48,10 +48,12 @@ def test_pipeline_scenario_is_discovered_and_private_modules_are_not():
 
 
 @needs_two_cores
-def test_pipeline_bench_reports_sane_figures():
+def test_pipeline_bench_reports_sane_figures(monkeypatch, tmp_path):
     before = os.sched_getaffinity(0)
     cores = sorted(before)[:2]
+    monkeypatch.setattr(pipeline.tempfile, "tempdir", str(tmp_path))
     out = pipeline.run(_args([*TINY, "--cores", ",".join(map(str, cores))]), lambda _line: None)
+    assert list(tmp_path.glob("flotilla-*")) == []  # a finished run removes the workers' logs
     json.dumps(out)
     assert os.sched_getaffinity(0) == before  # the bench process's pinning is undone
     assert out["model"]["layers"] == 4 and out["ranges"] == [[0, 2], [2, 4]]

@@ -41,6 +41,8 @@ def test_bench_json_records_commit_cpu_flags_load_and_io(tmp_path: Path) -> None
     cpu = prov["cpu"]
     assert cpu["model"] and cpu["cores"] >= 1 and isinstance(cpu["flags"], list)
     assert set(cpu["flags"]) <= set(_provenance.RELEVANT_FLAGS)
+    # the precision OpenVINO computes in by default, as a plain name (bf16 on AMX, f32 on AVX2-only)
+    assert cpu["openvino_cpu"]["default_precision"] in ("bf16", "f16", "f32")
     assert len(prov["load_before"]) == 3 and len(prov["load_after"]) == 3
     assert data["io"]["effective"].startswith("none")  # the scenario measured no storage reads
     assert not list(tmp_path.glob("*.tmp"))

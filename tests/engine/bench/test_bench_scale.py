@@ -211,7 +211,8 @@ def test_a_run_writes_the_json_and_fails_with_the_numbers_when_processes_are_oom
     Python process, so the exporter is OOM-killed and the run must say so, exit 1, and still
     write every figure it has (provenance included)."""
     out = tmp_path / "scale.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "FLOTILLA_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FLOTILLA_CACHE": str(tmp_path / "cache"),
+           "TMPDIR": str(tmp_path)}  # its log folder goes here, not into /tmp for good
     res = subprocess.run([sys.executable, "-m", "engine.cli.main", "bench", "scale", "--precisions", "int8",
                           "--shape", "hidden=64,intermediate=160,layers=4,heads=4,kv_heads=2,vocab=3000,file_mb=0.3",
                           "--positions", "32", "--tokens", "8", "--json", str(out)],
@@ -231,6 +232,8 @@ def test_a_run_writes_the_json_and_fails_with_the_numbers_when_processes_are_oom
         assert key in st
     assert any("OOM" in f and "layers 0-2" in f for f in d["failures"])
     assert "FAILED:" in res.stderr
+    logs = Path(d["logs"])  # kept for whoever reads why it failed
+    assert logs.parent == tmp_path and (logs / "export-int8-0.log").is_file()
 
 
 def test_a_precision_without_disk_for_its_shards_is_refused_before_exporting(tmp_path, monkeypatch):

@@ -75,7 +75,7 @@ def test_a_split_that_fits_nowhere_says_auto_tried_every_precision(demo_model):
     assert [i.code for i in bad.value.issues] == ["bad_weights"]
 
 
-def test_shards_are_exported_at_the_plans_precision(monkeypatch, demo_dir):
+def test_shards_are_exported_at_the_plans_precision(monkeypatch, demo_dir, tmp_path):
     import engine.shards.export as export
 
     demo_dir("demo")
@@ -86,11 +86,16 @@ def test_shards_are_exported_at_the_plans_precision(monkeypatch, demo_dir):
         return f"shard {start}-{end}"
 
     monkeypatch.setattr(export, "ensure_shard", ensure_shard)
+    monkeypatch.setattr(runner.tempfile, "tempdir", str(tmp_path))  # where its log folder would go
     fleet = runner.LocalFleet(runner.FleetConfig(model="demo", split=((0, 3), (3, 8)), weights="int4",
                                                  max_concurrent=1, context_length=256))
     assert fleet.plan.weight_precision == "int4" and fleet.checkpoint == "f32"
     assert fleet.export() == ["shard 0-3", "shard 3-8"]
     assert asked == [(0, 3, "int4"), (3, 8, "int4")]
+    # planned and exported, no worker launched: no log folder yet (nothing to remove if it is never stopped)
+    assert fleet.log_dir is None and list(tmp_path.iterdir()) == []
+    fleet.stop()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_even_split_covers_every_layer_once():

@@ -28,11 +28,13 @@ def _prompt(i: int):
 
 
 @pytest.fixture(scope="module")
-def engine(demo_dir):
+def engine(demo_dir, tmp_path_factory):
     from engine.pipeline.runner import FleetConfig, launch_pipeline
 
     demo_dir("demo")
-    eng = launch_pipeline(FleetConfig(model="demo", stages=3, exact=True, spares=1))
+    # killed stages keep their logs: in a folder of the test's, not /tmp
+    eng = launch_pipeline(FleetConfig(model="demo", stages=3, exact=True, spares=1,
+                                      log_dir=tmp_path_factory.mktemp("stage-logs")))
     yield eng
     eng.close()
     assert all(p.poll() is not None for p in eng.fleet.procs), "close() left processes behind"
@@ -137,11 +139,11 @@ def test_graceful_migration_keeps_streams(engine, references):
         engine.migrate_stage(7).result(timeout=5)
 
 
-def test_when_nothing_can_host_the_user_is_told_why(demo_dir):
+def test_when_nothing_can_host_the_user_is_told_why(demo_dir, tmp_path):
     from engine.pipeline.recovery_provider import RecoveryImpossible
     from engine.pipeline.runner import FleetConfig, launch_pipeline
 
-    eng = launch_pipeline(FleetConfig(model="demo", stages=2, exact=True, spares=0))
+    eng = launch_pipeline(FleetConfig(model="demo", stages=2, exact=True, spares=0, log_dir=tmp_path))
     try:
         def nobody(loss):
             raise RecoveryImpossible("no peer has 40 MB free for layers 4–8")

@@ -23,14 +23,15 @@ PROMPT = chat(("user", "Tell me a story about a robot."))
 
 
 @pytest.fixture(scope="module")
-def ring(demo_dir):
+def ring(demo_dir, tmp_path_factory):
     from engine.pipeline.runner import FleetConfig, launch_pipeline
     from engine.speculative.config import SpecConfig
     from engine.speculative.synthetic import noisy_draft
 
     path = demo_dir("demo")
     spec = SpecConfig(draft_model=str(noisy_draft(path, DRAFT_SIGMA)))
-    eng = launch_pipeline(FleetConfig(model="demo", stages=3, exact=True, spares=1), speculative=spec)
+    eng = launch_pipeline(FleetConfig(model="demo", stages=3, exact=True, spares=1,
+                                      log_dir=tmp_path_factory.mktemp("stage-logs")), speculative=spec)
     yield eng
     eng.close()
 
