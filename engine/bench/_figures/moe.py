@@ -65,7 +65,7 @@ def _guess(src: str) -> tuple[Row, ...]:
 
 
 # Sources whose runs record how the matmuls ran and every scheduler's answers (older runs do not).
-MEASURES_QUALITY = ("moe-quick",)
+MEASURES_QUALITY = ("moe-quick", "moe-mixtral")
 
 
 def _quality(src: str) -> tuple[Row, ...]:
