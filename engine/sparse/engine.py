@@ -31,7 +31,7 @@ from engine.sparse.calibrate import CalibConfig, ensure_calibration, work_dir
 from engine.platform.memory import memory_room, release_free_heap
 from engine.runtime.budget import fit_budget
 from engine.sparse.memory import MemoryPolicy
-from engine.sparse.model import SparseMLP, SparseRuntime, SparseRuntimeConfig
+from engine.sparse.model import SLICE_BYTES, SparseMLP, SparseRuntime, SparseRuntimeConfig
 from engine.sparse.predictor import PredictorConfig
 from engine.sparse.store import BundleStore, StoreConfig, build_store
 from engine.sparse.weights import MappedWeights, build_skeleton, ffn_layout, put_weights
@@ -101,7 +101,8 @@ class SparseBackend:
                               f"set; the minimum for this model and mode is {self.min_budget / 2**20:.1f} MiB "
                               f"({self.min_budget} bytes)")
         self.kv_reserve_bytes = kv_reserve_bytes(self.model.config, context_length, max_concurrent)
-        self.working_bytes = working_bytes(self.model.config, context_length, layer_rows_bytes=layout.neurons * row_bytes)
+        self.working_bytes = working_bytes(self.model.config, context_length,
+                                           layer_rows_bytes=layout.neurons * row_bytes)
         try:  # the same rule as the MoE engine: decided now that the resident weights are in
             budget = fit_budget(budget, self.min_budget, all_rows, memory_room(), self.kv_reserve_bytes,
                                 self.working_bytes, what="neuron cache")
@@ -167,16 +168,16 @@ def kv_reserve_bytes(config, context: int, requests: int) -> int:
 def working_bytes(config, context: int, chunk: int = 512, layer_rows_bytes: int = 0) -> int:
     """RAM one prefill chunk needs beyond weights, KV and cache (a generous estimate): its rows
     through attention and the FFN, its attention scores, the logits of its last position (the
-    torch stream keeps only those), the FFN rows of one layer gathered out of the cache
-    (layer_rows_bytes: a chunk of many tokens needs nearly every neuron of a layer at once),
-    the same again for that layer's misses staged on their way from the store (measured on
-    tests/e2e/test_sparse_under_cgroup's model, whose layer of rows is 150 MB: capped runs grew
-    295-464 MB past their cache budget, an uncapped all-hit run 319 MB), and slack."""
+    torch stream keeps only those), the FFN rows one step gathers out of the cache and the
+    misses staged on their way from the store: a chunk of many tokens needs nearly every neuron
+    of a layer, but they go through a slice at a time (model.SLICE_BYTES, at most
+    layer_rows_bytes), one slice gathered and two staged, and slack."""
     c = getattr(config, "text_config", config)
     rows = chunk * (16 * int(c.hidden_size) + 3 * int(c.intermediate_size)) * 4
     scores = int(c.num_attention_heads) * chunk * int(context) * 4
     logits = int(c.vocab_size) * 4
-    return rows + scores + logits + 2 * int(layer_rows_bytes) + (32 << 20)
+    slices = 3 * min(SLICE_BYTES, int(layer_rows_bytes))
+    return rows + scores + logits + slices + (32 << 20)
 
 
 class _NoSpeculation:

@@ -37,6 +37,15 @@ from engine.sparse.store import BundleStore
 from engine.sparse.weights import FFNLayout, mixed_linear
 
 MODES = ("predicted", "exact")
+# The most bundle bytes one FFN step gathers (or a spill read stages) at once: a prefill chunk
+# needs nearly every neuron of a layer, and gathering a whole layer of 8B-shaped bundles would
+# take 350 MB on top of the cache. A layer's neurons go through in slices of this size instead.
+SLICE_BYTES = 64 << 20
+
+
+def slice_neurons(row_bytes: int) -> int:
+    """How many neurons one slice holds (at least one)."""
+    return max(1, SLICE_BYTES // max(1, int(row_bytes)))
 
 
 @dataclass
@@ -70,7 +79,8 @@ class SparseRuntime:
         self.cache = NeuronCache(layout.num_layers, layout.neurons, store.row_shape, budget, min_budget,
                                  store.np_dtype, store.cache_slot_bytes)
         self.torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[store.dtype]
-        self.prefetcher = Prefetcher(store, self.cache)
+        self.slice = slice_neurons(self.cache.row_bytes)  # neurons computed (and spilled) at once
+        self.prefetcher = Prefetcher(store, self.cache, self.slice)
         # compute in place on the cache (no gather of down rows, a gather of up rows only) when the
         # slots are unpadded bundles: the slab is then a [slots * P, h] matrix of rows
         self.slab = None
@@ -194,12 +204,13 @@ class SparseMLP(torch.nn.Module):
             y = None
             sel_all = torch.from_numpy(need)
             for pos, rows in chunks:  # resident rows first, while the reads are in flight
-                sel = sel_all[torch.from_numpy(pos)]
-                if isinstance(rows, Slots):
-                    part = self._partial_in_place(xt, np.asarray(rows), sel, mask, a)
-                else:
-                    part = self._partial(xt, rt.to_torch(rows), sel, mask, a)
-                y = part if y is None else y + part
+                for i in range(0, len(pos), rt.slice):  # what one step gathers stays within SLICE_BYTES
+                    sel = sel_all[torch.from_numpy(pos[i:i + rt.slice])]
+                    if isinstance(rows, Slots):
+                        part = self._partial_in_place(xt, np.asarray(rows[i:i + rt.slice]), sel, mask, a)
+                    else:
+                        part = self._partial(xt, rt.to_torch(rows[i:i + rt.slice]), sel, mask, a)
+                    y = part if y is None else y + part
             if y is None:
                 y = torch.zeros_like(xt)
             if decode:

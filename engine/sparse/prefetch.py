@@ -54,8 +54,11 @@ class Prefetcher:
     copy. Buffered (tiny bundles, where padding each slot to 4 KiB would waste
     RAM): reads go to a batch buffer and are copied into the cache."""
 
-    def __init__(self, store: BundleStore, cache: NeuronCache) -> None:
+    def __init__(self, store: BundleStore, cache: NeuronCache, spill_slice: int = 1 << 62) -> None:
         self.store, self.cache = store, cache
+        # rows with no free cache slot are read into a buffer this many at a time (one slice
+        # waiting while the one before is computed), so a spill never stages a whole layer
+        self.spill_slice = max(1, int(spill_slice))
         self.direct = cache.row_bytes == store.stride
         self.in_place = False  # yield resident chunks as Slots (the runtime sets it when it can compute in place)
         self.pending: dict[int, object] = {}  # layer -> reads in flight for it (PendingRead / (DirectRead, slots))
@@ -116,16 +119,15 @@ class Prefetcher:
         if ok.any():
             rd = self.store.read_into(layer, need[miss_pos[ok]], cache.addr(got[ok]), cache.payload_views(got[ok]))
         spill = miss_pos[~ok]  # no free slot (an active set larger than calibrated): read, use, don't keep
-        sp = self.store.read_async(layer, need[spill]) if len(spill) else None
+        sp = self.store.read_async(layer, need[spill[:self.spill_slice]]) if len(spill) else None
         self.stats.needed += len(need)
         self.stats.on_demand += len(miss_pos)
-        return self._chunks_direct(slots, have, miss_pos[ok], got[ok], rd, spill, sp)
+        return self._chunks_direct(layer, need, slots, have, miss_pos[ok], got[ok], rd, spill, sp)
 
-    def _chunks_direct(self, slots, have, pos, got, rd, spill, sp):
+    def _chunks_direct(self, layer, need, slots, have, pos, got, rd, spill, sp):
         cache = self.cache
-        view = as_slots if self.in_place else cache.rows
-        if have.any():
-            yield np.nonzero(have)[0], view(slots[have])  # computed while the reads are in flight
+        view = as_slots if self.in_place else cache.rows  # cache.rows copies: a slice at a time
+        yield from self._sliced(np.nonzero(have)[0], slots, view)  # computed while the reads are in flight
         if rd is not None:
             t0 = time.perf_counter()
             try:
@@ -136,12 +138,23 @@ class Prefetcher:
             finally:
                 self.stats.wait_s += time.perf_counter() - t0
             cache.land(got)
-            yield pos, view(got)
-        if sp is not None:
+            yield from self._sliced(np.arange(len(pos)), got, view, pos)
+        step = self.spill_slice
+        for i in range(0, len(spill), step):  # sp: the read of spill[i:i + step]
             t0 = time.perf_counter()
             _, rows = sp.result()
             self.stats.wait_s += time.perf_counter() - t0
-            yield spill, rows
+            nxt = spill[i + step:i + 2 * step]
+            sp = self.store.read_async(layer, need[nxt]) if len(nxt) else None  # read while this one computes
+            yield spill[i:i + step], rows
+
+    def _sliced(self, idx: np.ndarray, slots: np.ndarray, view, pos: np.ndarray | None = None):
+        """(positions, view(slots[i])) for the indexes i of idx, spill_slice at a time: the
+        positions are pos[i] (pos None: i itself)."""
+        step = self.spill_slice
+        for i in range(0, len(idx), step):
+            part = idx[i:i + step]
+            yield (part if pos is None else pos[part]), view(slots[part])
 
     def _plan_buffered(self, layer: int, need: np.ndarray):
         cache = self.cache
@@ -151,29 +164,31 @@ class Prefetcher:
         covered = np.zeros(len(need), dtype=bool)
         if pend is not None and miss.any():
             covered[miss] = np.isin(need[miss], pend.ids, assume_unique=True)
-        rest = miss & ~covered
-        od = self.store.read_async(layer, need[rest]) if rest.any() else None
+        rest = np.nonzero(miss & ~covered)[0]  # positions read on demand, a slice at a time
+        od = self.store.read_async(layer, need[rest[:self.spill_slice]]) if len(rest) else None
         self.stats.needed += len(need)
-        self.stats.on_demand += int(rest.sum())
+        self.stats.on_demand += len(rest)
         self.stats.prefetch_used += int(covered.sum())
         return self._chunks_buffered(layer, need, slots, ~miss, pend, covered, od, rest)
 
     def _chunks_buffered(self, layer, need, slots, have, pend, covered, od, rest):
         cache = self.cache
-        if have.any():
-            yield np.nonzero(have)[0], cache.rows(slots[have])
+        yield from self._sliced(np.nonzero(have)[0], slots, cache.rows)
         if pend is not None:
             t0 = time.perf_counter()
             ids, got = pend.result()
             self.stats.wait_s += time.perf_counter() - t0
-            if covered.any():
-                yield np.nonzero(covered)[0], got[np.searchsorted(ids, need[covered])]
+            cov = np.nonzero(covered)[0]
+            yield from self._sliced(np.arange(len(cov)), np.searchsorted(ids, need[cov]), lambda at: got[at], cov)
             cache.insert(layer, ids, got)  # the unneeded ones too: the LRU decides
-        if od is not None:
+        step = self.spill_slice
+        for i in range(0, len(rest), step):  # od: the read of rest[i:i + step]
             t0 = time.perf_counter()
             ids, got = od.result()
             self.stats.wait_s += time.perf_counter() - t0
-            yield np.nonzero(rest)[0], got
+            nxt = rest[i + step:i + 2 * step]
+            od = self.store.read_async(layer, need[nxt]) if len(nxt) else None  # read while this one computes
+            yield rest[i:i + step], got
             cache.insert(layer, ids, got)
 
     def rows(self, layer: int, need: np.ndarray) -> np.ndarray:

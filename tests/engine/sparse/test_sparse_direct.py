@@ -129,3 +129,63 @@ def test_gap_rule_reads_through_only_when_cheaper_than_a_request():
     probe["random"] = [{"size": s, "depth": 64, "iops": 60000, "mb_s": min(900.0, 60000 * s / 1e6)}
                        for s in (4096, 16384, 262144)]
     assert best_gap(probe, 16384) == 0
+
+
+@pytest.mark.parametrize("model,mode", [("wide", "exact"), ("wide", "predicted"), ("demo", "predicted")])
+def test_a_layer_goes_through_in_slices_and_the_answer_stays_dense(wide_model, demo_dir, monkeypatch, model, mode):
+    """A prefill chunk needs nearly every neuron of a layer; the engine gathers (and stages)
+    them a slice at a time, so its working memory is a slice, not a layer (8B shapes: 64 MiB,
+    not 350 MB). With slices of a few neurons, on the direct path (wide: reads land in cache
+    slots) and the buffered one (demo: tiny bundles), the answer is still transformers'."""
+    import engine.sparse.model as sparse_model
+
+    monkeypatch.setattr(sparse_model, "SLICE_BYTES", 16 * 4096)  # wide exact: 16 neurons a slice
+    path = wide_model if model == "wide" else demo_dir("demo")
+    budget = {"exact": 5_000_000, "predicted": 10_000_000}[mode] if model == "wide" else 600_000
+    with SparseEngine(path, model, SparseConfig(mode=mode, sparsity=0.0, cache_budget_bytes=budget)) as eng:
+        rt = eng.runtime
+        assert rt.prefetcher.direct == (model == "wide")
+        assert rt.slice == max(1, sparse_model.SLICE_BYTES // rt.cache.row_bytes) < rt.layout.neurons
+        sizes: list[int] = []
+        plan = rt.prefetcher.plan
+
+        def recorded(layer, need):
+            for pos, rows in plan(layer, need):
+                sizes.append(len(pos))
+                yield pos, rows
+
+        monkeypatch.setattr(rt.prefetcher, "plan", recorded)
+        ref = reference_greedy(path, prompt_ids(eng.tokenizer, PROMPT), N)
+        out, _, _ = collect(eng.generate(greedy("sliced", N)))
+        assert out == ref
+        assert max(sizes) <= rt.slice and len(sizes) > 2 * rt.layout.num_layers
+        assert eng.stats()["io"]["bytes_read"] > 0
+
+
+def test_rows_with_no_free_cache_slot_are_read_a_slice_at_a_time(wide_model, monkeypatch):
+    """An active set larger than the cache (every slot busy this step) is read into a buffer
+    and used without being kept: a slice at a time, the next one read while this one is used,
+    so at most two slices are staged; the rows are the store's."""
+    be = SparseBackend(wide_model, SparseConfig(mode="exact", sparsity=0.0, cache_budget_bytes=5_000_000))
+    try:
+        pf, cache, store = be.rt.prefetcher, be.rt.cache, be.rt.store
+        assert pf.direct
+        monkeypatch.setattr(pf, "spill_slice", 7)
+        cache.tick += 1
+        cache.stamp[:cache.capacity] = cache.tick  # every slot used now: nothing can be evicted
+        need = np.arange(0, 60, dtype=np.int64)
+        assert len(cache.missing(0, need)) == len(need)
+        asked: list[int] = []
+        read_async = store.read_async
+
+        def recorded(layer, ids):
+            asked.append(len(ids))
+            return read_async(layer, ids)
+
+        monkeypatch.setattr(store, "read_async", recorded)
+        got = pf.rows(0, need)
+        assert asked == [7] * 8 + [4]  # 60 rows, 7 at a time
+        assert np.array_equal(got, store.read(0, need))
+        assert not (cache.slot_of[0, need] >= 0).any()  # used, not kept
+    finally:
+        be.close()
