@@ -203,14 +203,15 @@ class SparseMLP(torch.nn.Module):
                 rt.prefetch_next(l + 1, xt)  # behind them in the device queue
             y = None
             sel_all = torch.from_numpy(need)
-            for pos, rows in chunks:  # resident rows first, while the reads are in flight
-                for i in range(0, len(pos), rt.slice):  # what one step gathers stays within SLICE_BYTES
-                    sel = sel_all[torch.from_numpy(pos[i:i + rt.slice])]
-                    if isinstance(rows, Slots):
-                        part = self._partial_in_place(xt, np.asarray(rows[i:i + rt.slice]), sel, mask, a)
-                    else:
-                        part = self._partial(xt, rt.to_torch(rows[i:i + rt.slice]), sel, mask, a)
-                    y = part if y is None else y + part
+            # resident rows first, while the reads are in flight; each chunk is at most rt.slice
+            # rows (the prefetcher slices them), so what one step gathers stays within SLICE_BYTES
+            for pos, rows in chunks:
+                sel = sel_all[torch.from_numpy(pos)]
+                if isinstance(rows, Slots):
+                    part = self._partial_in_place(xt, np.asarray(rows), sel, mask, a)
+                else:
+                    part = self._partial(xt, rt.to_torch(rows), sel, mask, a)
+                y = part if y is None else y + part
             if y is None:
                 y = torch.zeros_like(xt)
             if decode:

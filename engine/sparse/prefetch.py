@@ -56,8 +56,9 @@ class Prefetcher:
 
     def __init__(self, store: BundleStore, cache: NeuronCache, spill_slice: int = 1 << 62) -> None:
         self.store, self.cache = store, cache
-        # rows with no free cache slot are read into a buffer this many at a time (one slice
-        # waiting while the one before is computed), so a spill never stages a whole layer
+        # every chunk plan() yields holds at most this many rows: rows gathered out of the cache
+        # and rows read into a buffer (a spill, or any read in buffered mode) alike, the next
+        # read waiting while the one before is computed, so no step holds a whole layer
         self.spill_slice = max(1, int(spill_slice))
         self.direct = cache.row_bytes == store.stride
         self.in_place = False  # yield resident chunks as Slots (the runtime sets it when it can compute in place)
@@ -139,14 +140,20 @@ class Prefetcher:
                 self.stats.wait_s += time.perf_counter() - t0
             cache.land(got)
             yield from self._sliced(np.arange(len(pos)), got, view, pos)
-        step = self.spill_slice
-        for i in range(0, len(spill), step):  # sp: the read of spill[i:i + step]
+        for part, _ids, rows in self._read_sliced(layer, need, spill, sp):
+            yield part, rows
+
+    def _read_sliced(self, layer: int, need: np.ndarray, positions: np.ndarray, first):
+        """(positions, ids, rows) of need[positions] read spill_slice at a time; `first` is the
+        read of the first slice (submitted by plan()), the next is read while one is used."""
+        step, pending = self.spill_slice, first
+        for i in range(0, len(positions), step):
             t0 = time.perf_counter()
-            _, rows = sp.result()
+            ids, rows = pending.result()
             self.stats.wait_s += time.perf_counter() - t0
-            nxt = spill[i + step:i + 2 * step]
-            sp = self.store.read_async(layer, need[nxt]) if len(nxt) else None  # read while this one computes
-            yield spill[i:i + step], rows
+            nxt = positions[i + step:i + 2 * step]
+            pending = self.store.read_async(layer, need[nxt]) if len(nxt) else None
+            yield positions[i:i + step], ids, rows
 
     def _sliced(self, idx: np.ndarray, slots: np.ndarray, view, pos: np.ndarray | None = None):
         """(positions, view(slots[i])) for the indexes i of idx, spill_slice at a time: the
@@ -181,14 +188,8 @@ class Prefetcher:
             cov = np.nonzero(covered)[0]
             yield from self._sliced(np.arange(len(cov)), np.searchsorted(ids, need[cov]), lambda at: got[at], cov)
             cache.insert(layer, ids, got)  # the unneeded ones too: the LRU decides
-        step = self.spill_slice
-        for i in range(0, len(rest), step):  # od: the read of rest[i:i + step]
-            t0 = time.perf_counter()
-            ids, got = od.result()
-            self.stats.wait_s += time.perf_counter() - t0
-            nxt = rest[i + step:i + 2 * step]
-            od = self.store.read_async(layer, need[nxt]) if len(nxt) else None  # read while this one computes
-            yield rest[i:i + step], got
+        for part, ids, got in self._read_sliced(layer, need, rest, od):
+            yield part, got
             cache.insert(layer, ids, got)
 
     def rows(self, layer: int, need: np.ndarray) -> np.ndarray:
