@@ -7,16 +7,24 @@ LLMPipeline answering one request at a time, on the same IR at the same precisio
 opened at once in this process, each served with the OpenAI-compatible API on its own
 loopback port, and warmed up with a burst of 4-token answers at every concurrency (a
 batching engine meets new input shapes at each, and the CPU plugin builds kernels for
-a shape on first use). Then, round by round, for each concurrency c (--concurrency,
-default 1,4,8,16) every engine in turn gets c streaming chat requests at once, each a
-different prompt (no engine can re-use another's prefix), greedy, exactly --tokens
-new tokens (ignore_eos). The engines take turns burst by burst, in an order that
-alternates from one burst to the next, so a machine whose speed drifts over minutes
-(a shared VM's does) weighs on every engine alike. Per concurrency:
+a shape on first use). The requests come from a client process of its own
+(engine/bench/_serve_client.py has why). Then, round by round, for each concurrency c
+(--concurrency, default 1,4,8,16) the engines get bursts of c streaming chat requests
+at once, greedy, exactly --tokens new tokens (ignore_eos), one burst at a time: the
+first engine (the one the others are compared with; the local engine by default) before
+and after each of the others, whose order reverses from one concurrency to the next:
+local, loop, local, batched, local, llm-pipeline, local. Each other engine answers the
+prompts of the first engine's burst just before it (one engine never sees another's
+cache); each of the first engine's bursts has prompts of its own (none is in its prompt
+cache). A shared VM's speed drifts by more than the gaps between engines from one
+minute to the next, so each ratio compares an engine with the first engine's two
+bursts around it, seconds apart. Per concurrency:
 
 - aggregate_tok_s: completion tokens of all c answers / wall time from sending the
-  first to the last answer's end;
+  first to the last answer's end (the first engine's: the median of its bursts);
 - ttft_s p50 / p95 over the c requests (request sent -> first content chunk);
+- over_first_engine: aggregate_tok_s over the mean of the first engine's bursts just
+  before and after it;
 - same_as_first_engine: the share of answers whose text equals the first engine's
   answer to the same prompt (greedy; bf16 math on two kernels can part late in an answer).
 
@@ -29,22 +37,20 @@ same engine, prompts of about the same length, answers of the same length),
 constrained_extra_ms_per_token the extra wall time per token of one answer --
 the constrained-decoding overhead a user of the API sees, mask and grammar included.
 
-Figures are medians over rounds (--rounds); ratios (each engine over the first) are
-taken per round, between bursts run one right after the other. Random weights: the text
+Figures are medians over rounds (--rounds); ratios are taken per round, as above. Random weights: the text
 is gibberish of a fixed length, which is all a scheduler sees.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from engine import aio
+from engine.bench._serve_client import BurstClient
 
 NAME = "serve"
 HELP = ("several users on one PC through the HTTP API: aggregate tok/s and TTFT p50/p95 at 1, 4, 8 and 16 "
@@ -63,64 +69,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a random-Llama preset (random-llama-0.9b, random-llama-tiny), a demo id or a model "
                         "folder (default random-llama-0.9b; quick demo)")
-    p.add_argument("--engines", default=",".join(ENGINES), help="engines, comma-separated: local, loop, batched, llm-pipeline (default all four)")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help="engines, comma-separated: local, loop, batched, llm-pipeline (default all four; the "
+                        "first is the one the others are compared with)")
     p.add_argument("--concurrency", default=None, help="concurrent requests per step (default 1,4,8,16; quick 1,4)")
     p.add_argument("--tokens", type=int, default=None, help="new tokens per answer (default 32; quick 8)")
     p.add_argument("--rounds", type=int, default=None, help="rounds over every engine (default 3; quick 1)")
 
 
-def _prompt(c: int, i: int, r: int) -> str:
-    return f"Request {r}-{c}-{i}: tell me about the weather in city number {i * 7 + c}."
-
-
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
-async def _one(client: Any, url: str, model: str, prompt: str, tokens: int,
-               schema: dict[str, Any] | None) -> dict[str, Any]:
-    import json
-
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    if schema is not None:
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "digits", "schema": schema, "strict": True}}
-    t0 = time.perf_counter()
-    first, text, usage = None, [], None
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"the API answered {resp.status_code}: {(await resp.aread())[:200]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for ch in chunk.get("choices", ()):
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-    end = time.perf_counter()
-    return {"ttft_s": (first or end) - t0, "end": end, "start": t0, "text": "".join(text),
-            "tokens": int((usage or {}).get("completion_tokens", 0))}
-
-
-async def _burst(url: str, model: str, c: int, r: int, tokens: int,
-                 schema: dict[str, Any] | None = None) -> dict[str, Any]:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=1800) as client:
-        t0 = time.perf_counter()
-        got = await asyncio.gather(*(_one(client, url, model, _prompt(c, i, r), tokens, schema) for i in range(c)))
-    wall = max(g["end"] for g in got) - t0
-    ttfts = [g["ttft_s"] for g in got]
-    return {"concurrency": c, "wall_s": round(wall, 3), "tokens": sum(g["tokens"] for g in got),
-            "aggregate_tok_s": round(sum(g["tokens"] for g in got) / wall, 3),
-            "ttft_p50_s": round(_percentile(ttfts, 0.5), 3), "ttft_p95_s": round(_percentile(ttfts, 0.95), 3),
-            "texts": [g["text"] for g in got]}
+def _prompts(c: int, r: int, slot: int) -> list[str]:
+    """A burst's c prompts: round r, slot (which of the first engine's bursts at this
+    concurrency and round) -- so none of them is in an engine's prompt cache yet."""
+    return [f"Request {r}-{slot}-{c}-{i}: tell me about the weather in city number {i * 7 + c}." for i in range(c)]
 
 
 def _open(kind: str, path: str, levels: list[int]) -> tuple[Any, float]:
@@ -139,32 +99,64 @@ def _open(kind: str, path: str, levels: list[int]) -> tuple[Any, float]:
     return engine, time.perf_counter() - t
 
 
-def _order(engines: list[str], r: int, li: int, constrained: bool) -> list[str]:
-    """The engines' turn order for one burst: reversed every other burst, so no engine
-    always goes first (module doc)."""
-    return engines if (r + li + constrained) % 2 == 0 else engines[::-1]
+def _turns(engines: list[str], r: int, li: int) -> list[str]:
+    """Engines in an order that reverses from one concurrency (and round) to the next."""
+    return engines if (r + li) % 2 == 0 else engines[::-1]
 
 
-def _round(served: dict[str, tuple[str, Any]], engines: list[str], levels: list[int], tokens: int, r: int,
-           report: Callable[[str], None]) -> dict[str, Any]:
-    """One round: every concurrency, every engine in turn; then the JSON-schema bursts
-    on the engines that enforce response_format."""
+def _order(engines: list[str], r: int, li: int) -> list[tuple[str, int]]:
+    """One concurrency's free bursts, as (engine, prompt slot): the first engine (the one
+    the others are compared with) before and after each other engine, which answers the
+    prompts of the first engine's burst just before it (module doc)."""
+    base, others = engines[0], _turns(engines[1:], r, li)
+    order = [(base, 0)]
+    for slot, kind in enumerate(others):
+        order += [(kind, slot), (base, slot + 1)]
+    return order
+
+
+def _base_cell(bursts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first engine at one concurrency in one round: the median of its bursts."""
+    def med(key: str) -> float:
+        return statistics.median(b[key] for b in bursts)
+
+    return {"concurrency": bursts[0]["concurrency"], "tokens": bursts[0]["tokens"], "wall_s": med("wall_s"),
+            "aggregate_tok_s": med("aggregate_tok_s"), "ttft_p50_s": med("ttft_p50_s"),
+            "ttft_p95_s": med("ttft_p95_s"), "over_first_engine": 1.0, "same_as_first_engine": 1.0,
+            "bursts": bursts}
+
+
+def _round(served: dict[str, tuple[str, Any]], client: BurstClient, engines: list[str], levels: list[int],
+           tokens: int, r: int, report: Callable[[str], None]) -> dict[str, Any]:
+    """One round: every concurrency, the engines' bursts in _order; then the JSON-schema
+    bursts on the engines that enforce response_format."""
+    base = engines[0]
     out: dict[str, Any] = {"orders": [], **{kind: {"levels": []} for kind in engines}}
     for li, c in enumerate(levels):
-        order = _order(engines, r, li, False)
-        out["orders"].append(order)
-        for kind in order:
+        order = _order(engines, r, li)
+        out["orders"].append([kind for kind, _slot in order])
+        bursts = []
+        for kind, slot in order:
             url, engine = served[kind]
-            row = aio.run(_burst(url, engine.info.model_id, c, r, tokens))
-            out[kind]["levels"].append(row)
+            row = client.burst(url, engine.info.model_id, _prompts(c, r, slot), tokens)
+            bursts.append((kind, row))
             report(f"  {kind} c={c}: {row['aggregate_tok_s']:.2f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s "
                    f"p95 {row['ttft_p95_s']:.2f} s")
+        for i, (kind, row) in enumerate(bursts):
+            if kind == base:
+                continue
+            before, after = bursts[i - 1][1], bursts[i + 1][1]
+            row["over_first_engine"] = round(
+                row["aggregate_tok_s"] / statistics.mean((before["aggregate_tok_s"], after["aggregate_tok_s"])), 4)
+            row["same_as_first_engine"] = sum(a == b for a, b in zip(row["texts"], before["texts"])) / c
+            out[kind]["levels"].append(row)
+        out[base]["levels"].append(_base_cell([row for kind, row in bursts if kind == base]))
     schema_engines = [k for k in engines if "response_format" not in served[k][1].info.unsupported]
     for li, c in enumerate(levels):
-        for kind in _order(schema_engines, r, li, True):
+        for kind in _turns(schema_engines, r, li):
             url, engine = served[kind]
             # prompts of their own: the free bursts' prompts are in the engines' prompt caches
-            row = aio.run(_burst(url, engine.info.model_id, c, CONSTRAINED_ROUND + r, tokens, DIGITS))
+            row = client.burst(url, engine.info.model_id, _prompts(c, CONSTRAINED_ROUND + r, 0), tokens, DIGITS)
             if not all(t.startswith("[") and set(t) <= set("[0123456789, \n") for t in row["texts"]):
                 raise RuntimeError(f"the {kind} engine's answers did not hold to the JSON schema")
             out[kind].setdefault("constrained_levels", []).append(row)
@@ -180,6 +172,7 @@ def _serve_all(path: str, engines: list[str], levels: list[int], tokens: int, ro
     served: dict[str, tuple[str, Any]] = {}
     load_s: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
+        client = stack.enter_context(BurstClient())
         for kind in engines:
             report(f"opening the {kind} engine on {Path(path).name}")
             engine, load_s[kind] = _open(kind, path, levels)
@@ -188,11 +181,11 @@ def _serve_all(path: str, engines: list[str], levels: list[int], tokens: int, ro
             served[kind] = (server.url + "/v1/chat/completions", engine)
             # warm-up: first inference, and the shapes of every concurrency (module doc)
             for c in levels:
-                aio.run(_burst(served[kind][0], engine.info.model_id, c, -1, 4))
+                client.burst(served[kind][0], engine.info.model_id, _prompts(c, -1, 0), 4)
         per_round = []
         for r in range(rounds):
             report(f"round {r + 1}/{rounds}")
-            per_round.append(_round(served, engines, levels, tokens, r, report))
+            per_round.append(_round(served, client, engines, levels, tokens, r, report))
     return per_round, load_s
 
 
@@ -217,31 +210,23 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     rounds = args.rounds or (1 if args.quick else 3)
     path = bench_model(args.model or ("demo" if args.quick else "random-llama-0.9b"), report)
     per_round, load_s = _serve_all(path, engines, levels, tokens, rounds, report)
-    base = engines[0]
     figures: dict[str, Any] = {}
     for kind in engines:
         rows = []
         for li, c in enumerate(levels):
             cells = [rd[kind]["levels"][li] for rd in per_round]
-            same = [sum(a == b for a, b in zip(cell["texts"], rd[base]["levels"][li]["texts"])) / c
-                    for cell, rd in zip(cells, per_round)]
-            rows.append({
-                "concurrency": c,
-                "aggregate_tok_s": statistics.median(x["aggregate_tok_s"] for x in cells),
-                "ttft_p50_s": statistics.median(x["ttft_p50_s"] for x in cells),
-                "ttft_p95_s": statistics.median(x["ttft_p95_s"] for x in cells),
-                "over_first_engine": statistics.median(
-                    x["aggregate_tok_s"] / rd[base]["levels"][li]["aggregate_tok_s"] for x, rd in zip(cells, per_round)),
-                "same_as_first_engine": statistics.median(same),
-            })
+            rows.append({"concurrency": c, **{key: statistics.median(x[key] for x in cells) for key in (
+                "aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "over_first_engine", "same_as_first_engine")}})
         figures[kind] = {"levels": rows, "load_s": round(load_s[kind], 2)}
         if "constrained_levels" in per_round[0][kind]:
             figures[kind]["constrained"] = [_constrained(per_round, kind, li, c) for li, c in enumerate(levels)]
-    best = {c: max(engines, key=lambda k: figures[k]["levels"][i]["aggregate_tok_s"]) for i, c in enumerate(levels)}
+    # the fastest by the side-by-side ratios, not by tok/s measured minutes apart
+    best = {c: max(engines, key=lambda k: figures[k]["levels"][i]["over_first_engine"]) for i, c in enumerate(levels)}
     for rd in per_round:  # the texts were compared above; the JSON keeps their lengths only
         for kind in engines:
             for cell in rd[kind]["levels"] + rd[kind].get("constrained_levels", []):
-                cell["text_chars"] = [len(t) for t in cell.pop("texts")]
+                for burst in cell.get("bursts", [cell]):
+                    burst["text_chars"] = [len(t) for t in burst.pop("texts")]
     return {"model": Path(path).name, "engines": engines, "concurrency": levels, "tokens": tokens,
             "rounds": rounds, "figures": figures, "fastest": {str(c): k for c, k in best.items()},
             "per_round": per_round}

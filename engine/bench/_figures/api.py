@@ -86,8 +86,8 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
 
 S = "serve"
 SHOW = ("`flotilla bench serve` (0.9 B random Llama, bf16, default precision; streaming chat requests of "
-        "32 greedy tokens through the API; every engine open at once, taking turns burst by burst in an "
-        "alternating order; 3 rounds per run)")
+        "32 greedy tokens through the API from a client process; every engine open at once; each other "
+        "engine's burst between two of the local engine's, its ratio over their mean; 3 rounds per run)")
 
 
 def _serve_rows(i: int, c: int) -> tuple[Row, ...]:
@@ -97,8 +97,9 @@ def _serve_rows(i: int, c: int) -> tuple[Row, ...]:
 
     def beside(kind: str, label: str) -> Row:
         k = f"{S}:figures.{kind}.levels.{i}"
-        return Row(f"{users}: {label}", fig % (k, k, k) + "; {%s.over_first_engine|x} the local engine's tok/s; "
-                   "same answers as it: {%s.same_as_first_engine|pct}" % (k, k), SHOW)
+        return Row(f"{users}: {label}", fig % (k, k, k) + "; {%s.over_first_engine|x} the local engine's tok/s "
+                   "(its bursts just before and after); same answers as it: {%s.same_as_first_engine|pct}" % (k, k),
+                   SHOW)
 
     held = f"{S}:figures.local.constrained.{i}"
     return (Row(f"{users}: local engine (every request in one forward pass, paged KV cache)",

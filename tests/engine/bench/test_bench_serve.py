@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -24,14 +25,30 @@ def test_serve_bench_runs_every_engine_at_every_concurrency(demo_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(out_file.read_text())
     assert out["engines"] == ENGINES and out["concurrency"] == [1, 3]
+    others = ENGINES[1:]
     for r, rd in enumerate(out["per_round"]):
-        # the engines take turns burst by burst, the order reversed from one burst to the next
-        assert rd["orders"] == ([ENGINES, ENGINES[::-1]] if r == 0 else [ENGINES[::-1], ENGINES])
+        # the local engine runs before and after each other engine, whose order reverses from one
+        # concurrency to the next
+        for li, order in enumerate(rd["orders"]):
+            turn = others if (r + li) % 2 == 0 else others[::-1]
+            assert order == ["local", turn[0], "local", turn[1], "local", turn[2], "local"]
+            around = rd["local"]["levels"][li]["bursts"]
+            for j in (1, 3, 5):  # each ratio is over the local bursts just before and after it
+                cell = rd[order[j]]["levels"][li]
+                mean = (around[j // 2]["aggregate_tok_s"] + around[j // 2 + 1]["aggregate_tok_s"]) / 2
+                assert abs(cell["over_first_engine"] - cell["aggregate_tok_s"] / mean) < 1e-3
         for kind in ENGINES:
             for cell, c in zip(rd[kind]["levels"], (1, 3)):
-                assert cell["concurrency"] == c and cell["tokens"] == 6 * c  # ignore_eos: every token came
-                assert all(n > 0 for n in cell["text_chars"]) and len(cell["text_chars"]) == c
-                assert 0 < cell["ttft_p50_s"] <= cell["ttft_p95_s"] <= cell["wall_s"]
+                assert cell["concurrency"] == c
+                for burst in cell.get("bursts", [cell]):
+                    assert burst["tokens"] == 6 * c  # ignore_eos: every token came
+                    assert all(n > 0 for n in burst["text_chars"]) and len(burst["text_chars"]) == c
+                    assert 0 < burst["ttft_p50_s"] <= burst["ttft_p95_s"] <= burst["wall_s"]
+                if kind == "local":  # one burst before and after each other engine
+                    assert len(cell["bursts"]) == 4
+                    assert cell["aggregate_tok_s"] == statistics.median(b["aggregate_tok_s"] for b in cell["bursts"])
+                else:
+                    assert cell["over_first_engine"] > 0 and 0 <= cell["same_as_first_engine"] <= 1
         # the JSON-schema bursts ran where response_format is enforced (the bench checks the
         # answers held to the schema), every answer to its length limit; nowhere else
         for kind in ("local", "loop"):
