@@ -69,7 +69,15 @@ def source_files(repo: Path = P.REPO) -> list[str]:
 
 
 def environment_fingerprint() -> dict:
-    dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+    """What the bundle is built from besides the sources. The distributions are those
+    installed in this interpreter's environment (its site-packages), not whatever the
+    calling process has on sys.path: the test suite's process has test folders and the
+    checkout on it, and the key it computed then differed from the key of the build the
+    suite had started in the background -- the same build, done twice (4 minutes)."""
+    import sysconfig
+
+    site = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions(path=site)
                    if d.metadata["Name"])
     return {"python": sys.version, "platform": sys.platform, "machine": platform.machine(),
             "dists": dists}

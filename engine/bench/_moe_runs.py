@@ -15,19 +15,21 @@ PROMPTS = ["Once upon a time", "The robot walked into", "Tell me about the sea",
 CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + tokens fit)
 
 
-def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: int, direct: bool):
-    """The engine of one run. budget None: the engine's own (what this process's memory leaves)."""
+def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: int, direct: bool,
+                torch_threads: int | None = None):
+    """The engine of one run. budget None: the engine's own (what this process's memory leaves);
+    torch_threads None: the engine's own."""
     from engine.moe.engine import MoEConfig, MoEEngine
 
     cfg = MoEConfig(scheduler=sched, cache_budget_bytes=budget, direct_io=direct, max_concurrent=conc,
-                    context_length=CONTEXT)
+                    context_length=CONTEXT, torch_threads=torch_threads)
     return MoEEngine(store_dir, model_id, cfg)
 
 
 def one_run(store_dir, model_id: str, sched: str, budget: int | None, conc: int, tokens: int,
-            direct: bool) -> tuple[dict[str, float], dict[str, Any]]:
+            direct: bool, torch_threads: int | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     """(figures of one run, the io_info() of the store its engine read through)."""
-    return measure(open_engine(store_dir, model_id, sched, budget, conc, direct), sched, conc, tokens)
+    return measure(open_engine(store_dir, model_id, sched, budget, conc, direct, torch_threads), sched, conc, tokens)
 
 
 def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float], dict[str, Any]]:
@@ -45,6 +47,7 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
         io_info = engine.store.io_info()
         cache_budget = engine.memory["cache_budget_bytes"]
         compute = engine.memory["compute"]
+        threads = engine.torch_threads
     finally:
         engine.close()
     finals = [events[-1] for events in answers]
@@ -66,7 +69,7 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
             "compute_s_per_token": st["compute_s"] / out_tokens, "cache_budget_mb": cache_budget / 1e6,
             # not figures: what the answers were and how the matmuls ran (moe.py compares the answers)
             "token_ids": [[t for e in events for t in e.token_ids] for events in answers],
-            "compute": compute}, io_info
+            "compute": compute, "torch_threads": threads}, io_info
 
 
 def same_tokens(a: list[list[int]], b: list[list[int]]) -> float:

@@ -99,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedulers", default=None,
                    help="which schedulers to run (default: all; real shapes: bevy,on_demand,prefetch)")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of O_DIRECT")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="threads the engines compute with (default: the engine's, cores - 1)")
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
@@ -148,7 +150,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             order = scheds[rep % len(scheds):] + scheds[:rep % len(scheds)]  # rotate who goes first
             for sched in order:
                 cell = dict(store_dir=str(store_dir), model_id=model_id, sched=sched, budget=budget, conc=conc,
-                            tokens=tokens, direct=not args.buffered)
+                            tokens=tokens, direct=not args.buffered, torch_threads=args.torch_threads)
                 if real:
                     m, info = capped_run(cell, cap)
                 elif demo_shape:
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     store.close()
     disk = statistics.median(disks)
     computes = sorted({r.pop("compute") for runs in cells.values() for r in runs})
+    threads = sorted({r.pop("torch_threads") for runs in cells.values() for r in runs})
     answers = {key: [r.pop("token_ids") for r in runs] for key, runs in cells.items()}
     for (sched, conc), runs in cells.items():  # quality beside speed: the same answers as on_demand's?
         ref = answers.get(("on_demand", conc))
@@ -199,6 +202,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         # how the matmuls ran: the weights' 16-bit dtype ("bf16": native, on a CPU with a bf16
         # kernel) or "f32" (widened first: exact, every scheduler's answer the same)
         "compute": computes[0] if len(computes) == 1 else computes,
+        "torch_threads": threads[0] if len(threads) == 1 else threads,  # the engines' compute threads
     }
     top = str(max(concs))
     if all(s in table and top in table[s] for s in ("bevy", "on_demand", "prefetch")):

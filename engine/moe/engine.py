@@ -115,7 +115,8 @@ class MoEEngine(InboxEngine):
         self.logits_hook = logits_hook  # tests: sees every logits vector handed to sampling
         # torch's thread count is the process's: taken while the engine runs, given back on close
         self._threads_before = torch.get_num_threads()
-        torch.set_num_threads(config.torch_threads or max(1, (os.cpu_count() or 2) - 1))
+        self.torch_threads = config.torch_threads or max(1, (os.cpu_count() or 2) - 1)
+        torch.set_num_threads(self.torch_threads)
         if config.kv_precision not in KV_DTYPES:
             raise EngineError(f"kv_precision must be one of {', '.join(KV_DTYPES)}, not {config.kv_precision!r}")
         self.store = ExpertStore(store_dir, StoreConfig(direct=config.direct_io, verify=config.verify))

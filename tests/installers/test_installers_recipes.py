@@ -415,6 +415,22 @@ def test_clean_copy_and_cache_key(tmp_path):
         == sorted(files[:3])
 
 
+def test_cache_key_is_the_same_whatever_the_caller_has_on_sys_path(tmp_path, monkeypatch):
+    """The suite's background build and the installers test compute the key in different
+    processes; a folder holding a distribution on one's sys.path must not make it build twice."""
+    from installers import build
+
+    before = build.environment_fingerprint()
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "stray-9.9.dist-info").mkdir()
+    (other / "stray-9.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: stray\nVersion: 9.9\n")
+    monkeypatch.syspath_prepend(str(other))
+    assert any(d.metadata["Name"] == "stray" for d in importlib.metadata.distributions())  # visible to the process
+    assert build.environment_fingerprint() == before
+    assert "pyinstaller==" + importlib.metadata.version("pyinstaller") in before["dists"]
+
+
 def test_makefile_has_dist_target():
     mk = (REPO / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^dist: setup$", mk, re.M) and "-m installers.build" in mk
