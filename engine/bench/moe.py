@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which schedulers to run (default: all; real shapes: bevy,on_demand,prefetch)")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of O_DIRECT")
     p.add_argument("--torch-threads", type=int, default=None,
-                   help="threads the engines compute with (default: the engine's, cores - 1)")
+                   help="threads the engines compute with (default: the engine's, every core)")
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
