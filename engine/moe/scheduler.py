@@ -26,8 +26,9 @@ and each expert is applied once to all rows that wait for it.
   MoE layer's router to its hidden state and asks for the experts it picks as
   idle-fill reads (fetcher.py: after every real miss, one at a time, replaced
   by the next batch's guesses). A guess nobody used is counted
-  (cache.stats.unasked_unused). Not Bevy's default: measured beside
-  it in `bench moe --quick`, its gain was inside the runs' spread (docs/moe.md).
+  (cache.stats.unasked_unused). Not Bevy's default yet: beside it in
+  `bench moe --quick` it gained little while compute ran on one core, and
+  1.08x since the engine computes on every core (docs/moe.md).
 * "on_demand" (lockstep, llama.cpp-style): all sequences advance layer by
   layer together; at each layer the missing experts are read (in parallel,
   the same fetcher, a full disk queue) while the batch waits, then the
