@@ -57,8 +57,8 @@ class MoEConfig:
     verify: str = "always"  # checksum on "always" / "first" read of each blob / "never"
     max_concurrent: int = 4  # requests in flight (each reserves a full context of KV); more wait in line
     prefill_chunk: int = 256  # prompt tokens per pass
-    # None: every core. The readers wait on the disk, not the CPU: measured side by side on a 2-core
-    # PC (bench moe --torch-threads 1 vs 2) every scheduler was faster on both cores, the disk no less busy
+    # None: every core. The readers wait on the disk, not the CPU: side by side on a 2-core PC (bench
+    # moe --torch-threads 1 vs 2, by hand) Bevy and prefetch were faster on both cores, the disk no less busy
     torch_threads: int | None = None
     context_length: int | None = None  # cap on prompt + answer; None = the model's, at most DEFAULT_CONTEXT
     # "native": 16-bit weights multiply in their own dtype (f32 accumulation); "f32": widened to
