@@ -5,7 +5,6 @@ report stage times, quit), started by engine.bench._pipeline_child.Child.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,31 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.bench._pipeline_child import REPO_ROOT, stop_group
+from engine.bench._pipeline_child import REPO_ROOT, answer_commands, stop_group
 from engine.shards.worker_process import WORKER_MODULE, read_bound, worker_env
 
 
 def main() -> None:
-    """Serve JSON commands on stdin; answers go to the original stdout, everything else to stderr."""
-    import logging
-
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    """Serve JSON commands on stdin (answer_commands) until quit, then stop what was started."""
     state: dict[str, Any] = {}
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            answer = _handle(state, cmd)
-        except Exception as e:  # reported to the parent, which raises
-            import traceback
-
-            traceback.print_exc()
-            answer = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(answer) + "\n")
-        out.flush()
-        if cmd.get("cmd") == "quit":
-            break
+    answer_commands(lambda cmd: _handle(state, cmd))
     _teardown(state)
 
 

@@ -7,12 +7,11 @@ the engines' own Python needs between forward passes (the local engine's schedul
 thread, LLMPipeline's streamer callback), but not the GIL of openvino_genai's
 continuous batching, which computes in a child process: a bias for one engine.
 
-Protocol, one JSON object per line: the bench writes a burst to stdin
-({"url", "model", "prompts", "tokens", "schema"}) and reads its figures from stdout
-(`burst()` below), or {"error": "..."}. The process ends when stdin closes.
+It is a benchmark helper process (engine/bench/_pipeline_child.py): each command is a
+burst, {"url", "model", "prompts", "tokens", "schema"}, answered with its figures.
 
-    client = BurstClient()          # in the bench
-    row = client.burst(url, model, prompts, tokens)
+    client = start()                                    # in the bench
+    row = client.ask(job(url, model, prompts, tokens))
     client.close()
 """
 
@@ -20,12 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from typing import Any
 
 from engine import aio
+from engine.bench._pipeline_child import Child, answer_commands
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -79,53 +77,21 @@ async def burst(url: str, model: str, prompts: list[str], tokens: int,
             "texts": [g["text"] for g in got]}
 
 
-class BurstClient:
-    """The client process, seen from the bench."""
+def job(url: str, model: str, prompts: list[str], tokens: int, schema: dict[str, Any] | None = None) -> dict:
+    """The command for one burst (the client's answer: burst()'s figures)."""
+    return {"url": url, "model": model, "prompts": prompts, "tokens": tokens, "schema": schema}
 
-    def __init__(self) -> None:
-        from engine.platform import process
 
-        self._proc = process.spawn([sys.executable, "-m", "engine.bench._serve_client"], die_with_us=True,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def start() -> Child:
+    """The client process (a Child running main() below)."""
+    return Child([], None, None, module=__name__)
 
-    def burst(self, url: str, model: str, prompts: list[str], tokens: int,
-              schema: dict[str, Any] | None = None) -> dict[str, Any]:
-        job = {"url": url, "model": model, "prompts": prompts, "tokens": tokens, "schema": schema}
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._proc.stdin.write(json.dumps(job) + "\n")
-        self._proc.stdin.flush()
-        line = self._proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the bench's client process ended (exit code {self._proc.wait()})")
-        got = json.loads(line)
-        if "error" in got:
-            raise RuntimeError(f"the bench's client: {got['error']}")
-        return got
 
-    def close(self) -> None:
-        from engine.platform import process
-
-        if self._proc.stdin is not None:
-            self._proc.stdin.close()
-        process.stop(self._proc, grace=10.0, ask=lambda: None)
-
-    def __enter__(self) -> "BurstClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _answer(cmd: dict) -> dict:
+    if cmd.get("cmd") == "quit":
+        return {"ok": True}
+    return aio.run(burst(cmd["url"], cmd["model"], cmd["prompts"], cmd["tokens"], cmd.get("schema")))
 
 
 def main() -> None:
-    for line in sys.stdin:
-        job = json.loads(line)
-        try:
-            out = aio.run(burst(job["url"], job["model"], job["prompts"], job["tokens"], job.get("schema")))
-        except Exception as e:  # reported to the bench, which raises it there
-            out = {"error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(out) + "\n")
-        sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    main()
+    answer_commands(_answer)

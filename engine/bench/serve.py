@@ -50,7 +50,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.bench._serve_client import BurstClient
+from engine.bench import _serve_client as serve_client
+from engine.bench._pipeline_child import Child
 
 NAME = "serve"
 HELP = ("several users on one PC through the HTTP API: aggregate tok/s and TTFT p50/p95 at 1, 4, 8 and 16 "
@@ -126,7 +127,7 @@ def _base_cell(bursts: list[dict[str, Any]]) -> dict[str, Any]:
             "bursts": bursts}
 
 
-def _round(served: dict[str, tuple[str, Any]], client: BurstClient, engines: list[str], levels: list[int],
+def _round(served: dict[str, tuple[str, Any]], client: Child, engines: list[str], levels: list[int],
            tokens: int, r: int, report: Callable[[str], None]) -> dict[str, Any]:
     """One round: every concurrency, the engines' bursts in _order; then the JSON-schema
     bursts on the engines that enforce response_format."""
@@ -138,7 +139,7 @@ def _round(served: dict[str, tuple[str, Any]], client: BurstClient, engines: lis
         bursts = []
         for kind, slot in order:
             url, engine = served[kind]
-            row = client.burst(url, engine.info.model_id, _prompts(c, r, slot), tokens)
+            row = client.ask(serve_client.job(url, engine.info.model_id, _prompts(c, r, slot), tokens))
             bursts.append((kind, row))
             report(f"  {kind} c={c}: {row['aggregate_tok_s']:.2f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s "
                    f"p95 {row['ttft_p95_s']:.2f} s")
@@ -156,7 +157,8 @@ def _round(served: dict[str, tuple[str, Any]], client: BurstClient, engines: lis
         for kind in _turns(schema_engines, r, li):
             url, engine = served[kind]
             # prompts of their own: the free bursts' prompts are in the engines' prompt caches
-            row = client.burst(url, engine.info.model_id, _prompts(c, CONSTRAINED_ROUND + r, 0), tokens, DIGITS)
+            row = client.ask(serve_client.job(url, engine.info.model_id, _prompts(c, CONSTRAINED_ROUND + r, 0),
+                                              tokens, DIGITS))
             if not all(t.startswith("[") and set(t) <= set("[0123456789, \n") for t in row["texts"]):
                 raise RuntimeError(f"the {kind} engine's answers did not hold to the JSON schema")
             out[kind].setdefault("constrained_levels", []).append(row)
@@ -172,7 +174,8 @@ def _serve_all(path: str, engines: list[str], levels: list[int], tokens: int, ro
     served: dict[str, tuple[str, Any]] = {}
     load_s: dict[str, float] = {}
     with contextlib.ExitStack() as stack:
-        client = stack.enter_context(BurstClient())
+        client = serve_client.start()
+        stack.callback(client.close)
         for kind in engines:
             report(f"opening the {kind} engine on {Path(path).name}")
             engine, load_s[kind] = _open(kind, path, levels)
@@ -181,7 +184,7 @@ def _serve_all(path: str, engines: list[str], levels: list[int], tokens: int, ro
             served[kind] = (server.url + "/v1/chat/completions", engine)
             # warm-up: first inference, and the shapes of every concurrency (module doc)
             for c in levels:
-                client.burst(served[kind][0], engine.info.model_id, _prompts(c, -1, 0), 4)
+                client.ask(serve_client.job(served[kind][0], engine.info.model_id, _prompts(c, -1, 0), 4))
         per_round = []
         for r in range(rounds):
             report(f"round {r + 1}/{rounds}")
