@@ -34,16 +34,20 @@ def one_run(store_dir, model_id: str, sched: str, budget: int | None, conc: int,
 
 def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float], dict[str, Any]]:
     """Run conc requests of `tokens` tokens through an open engine, then close it."""
+    from engine.moe.scheduler import PHASES
     from engine.protocol.messages import GenerateRequest, SamplingParams
 
     try:
         reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
                                 sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
+        idle0 = engine.stats()["disk_idle_s"]  # before the requests (the engine loop waiting for them)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(conc) as pool:
             answers = list(pool.map(lambda r: list(engine.stream(engine.submit(r))), reqs))
         wall = time.perf_counter() - t0
         st = engine.stats()
+        idle = {p: st["disk_idle_s"].get(p, 0.0) - idle0.get(p, 0.0) for p in PHASES}
+        guessed = st["speculative_reads"] * engine.store.index.blob_bytes  # prefetch's, bevy_guess's
         io_info = engine.store.io_info()
         cache_budget = engine.memory["cache_budget_bytes"]
         compute = engine.memory["compute"]
@@ -63,9 +67,14 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
             # of those, bytes read on a guess (prefetch's prediction, bevy_guess's idle-fill) no request used
             "mb_unused_per_token": st["unused_bytes"] / 1e6 / out_tokens,
             "guess_reads": st["guess_reads"],
+            # of the reads made on a guess, the share a request used (absent: no guesses)
+            **({"guesses_used_frac": 1.0 - st["unused_bytes"] / guessed} if guessed else {}),
             "mean_batch": st["mean_batch"],
             "disk_mb_s_busy": st["bytes_read"] / 1e6 / st["io_busy_s"] if st["io_busy_s"] else 0.0,
             "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall,
+            # share of the wall time the disk had nothing to read, by what the scheduler did then
+            "disk_idle_frac": sum(idle.values()) / wall,
+            **{f"disk_idle_{p}_frac": idle[p] / wall for p in PHASES},
             "compute_s_per_token": st["compute_s"] / out_tokens, "cache_budget_mb": cache_budget / 1e6,
             # not figures: what the answers were and how the matmuls ran (moe.py compares the answers)
             "token_ids": [[t for e in events for t in e.token_ids] for events in answers],

@@ -45,7 +45,10 @@ scheduler of that concurrency got while its reads were in flight
 (on_demand computing each expert as soon as it lands), `...,bevy_guess`
 Bevy reading guessed experts when its disk would idle (`bevy_guess_over_bevy`).
 `mb_unused_per_token`: the bytes read on a guess (prefetch's, bevy_guess's)
-that no request used; the bound's I/O term counts the bytes Bevy needed.
+that no request used (`guesses_used_frac`: the share of guessed reads a request used);
+the bound's I/O term counts the bytes Bevy needed. `disk_idle_<phase>_frac`: the share of
+the wall time the disk had nothing to read for a request, by what the scheduler was doing
+meanwhile (engine/moe/scheduler.py PHASES): the gaps between reads the bound assumes away.
 
 `io` records what the reads went through: {"requested", "effective",
 "fallback_reason"} (this OS's unbuffered mode -- "o_direct" on Linux -- or "buffered"),
@@ -176,9 +179,10 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         for i, r in enumerate(runs):
             r["same_tokens_as_on_demand"] = round(same_tokens(answers[(sched, conc)][i], ref[i]), 4)
     table: dict[str, dict[str, dict[str, float]]] = {}
-    for (sched, conc), runs in cells.items():
-        table.setdefault(sched, {})[str(conc)] = {k: round(statistics.median(r[k] for r in runs), 4)
-                                                  for k in runs[0]}
+    for (sched, conc), runs in cells.items():  # a figure some runs lack (guesses_used_frac): over those with it
+        keys = dict.fromkeys(k for r in runs for k in r)
+        table.setdefault(sched, {})[str(conc)] = {k: round(statistics.median(r[k] for r in runs if k in r), 4)
+                                                  for k in keys}
     io_rec = io_figures(not args.buffered, io_infos)
     budgets = [r["cache_budget_mb"] for runs in cells.values() for r in runs] if real else [budget / 1e6]
     out: dict[str, Any] = {

@@ -14,6 +14,11 @@ a read the disk does only when it has nothing else to do: it is taken after
 every real request, and at most one is in flight, so a request that arrives
 meanwhile finds the other threads free for it.
 
+The fetcher also keeps where its idle time went: the scheduler names what it is
+doing (`phase`), and every stretch with nothing to read (idle-fill guesses
+aside) is added to that phase's `idle_s` -- the gaps a scheduler leaves the
+disk, which the benchmark reports beside the overlap bound.
+
 A failed read (I/O error, checksum mismatch) is recorded per expert; the
 scheduler ends the requests that need it with that error.
 """
@@ -64,6 +69,9 @@ class Fetcher:
         self._order = itertools.count()
         self._stop = False
         self._busy_since: float | None = None
+        self._phase = "engine"  # what the scheduler is doing (phase())
+        self._mark = time.perf_counter()  # idle time is tallied up to here
+        self.idle_s: dict[str, float] = {}  # phase -> wall time with nothing to read during it
         self.stats = FetchStats()
         self._threads = [threading.Thread(target=self._work, name=f"moe-fetch-{i}", daemon=True)
                          for i in range(max(1, threads))]
@@ -76,6 +84,8 @@ class Fetcher:
         hold are raised if it already is queued). True if it will land held and be
         reported by take_arrived (False: resident already, or its fetch failed)."""
         with self._cv:
+            if not is_fill(priority):
+                self._tally()  # the idle stretch (if any) ends here
             if key in self.errors:
                 return False
             if key in self._inflight:
@@ -103,6 +113,7 @@ class Fetcher:
     def drop(self, key: Key) -> None:
         """Nobody needs a queued `key` any more (its requests were cancelled)."""
         with self._cv:
+            self._tally()
             self._queued.pop(key, None)
 
     def drop_fills(self) -> None:
@@ -124,7 +135,32 @@ class Fetcher:
     def idle(self) -> bool:
         """Nothing to read but idle-fill guesses."""
         with self._cv:
-            return not self._inflight - self._fills and not any(not is_fill(p) for p in self._queued.values())
+            return self._idle()
+
+    def phase(self, name: str) -> str:
+        """The scheduler now does `name` (its idle time is counted there); returns the
+        phase it left."""
+        with self._cv:
+            self._tally()
+            prev, self._phase = self._phase, name
+            return prev
+
+    def idle_by_phase(self) -> dict[str, float]:
+        """Seconds with nothing to read (idle-fill guesses aside), by the scheduler's phase."""
+        with self._cv:
+            self._tally()
+            return dict(self.idle_s)
+
+    def _idle(self) -> bool:
+        return not self._inflight - self._fills and not any(not is_fill(p) for p in self._queued.values())
+
+    def _tally(self) -> None:
+        """Under the lock, before the phase or the idle state changes: the time since the
+        last tally was idle (or not) in the current phase."""
+        now = time.perf_counter()
+        if self._idle():
+            self.idle_s[self._phase] = self.idle_s.get(self._phase, 0.0) + now - self._mark
+        self._mark = now
 
     def close(self) -> None:
         with self._cv:
@@ -181,6 +217,7 @@ class Fetcher:
     def _finish(self, key: Key, t0: float, arrived: bool, speculative: bool) -> None:
         now = time.perf_counter()
         with self._cv:
+            self._tally()
             self._inflight.discard(key)
             self.stats.read_s += now - t0
             if key not in self.errors:

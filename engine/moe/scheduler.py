@@ -42,6 +42,7 @@ and each expert is applied once to all rows that wait for it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -57,6 +58,10 @@ SCHEDULERS = ("bevy", "on_demand", "prefetch", "resident")
 # on_demand computing each expert as it lands; Bevy reading guesses when the disk would idle (docs/moe.md)
 ABLATIONS = ("on_demand_overlap", "bevy_guess")
 NOW = 1e12  # fetch priority of experts a lockstep batch is blocked on
+# What a scheduler can be doing, for the fetcher's idle time by phase (bench moe reports it):
+# attending a layer and routing, computing experts, the LM head, the owner's sampling,
+# waiting for a read, its own bookkeeping, and (outside tick) the engine loop.
+PHASES = ("attention", "experts", "head", "sampling", "waiting", "scheduling", "engine")
 
 
 @dataclass(eq=False)
@@ -135,7 +140,9 @@ class Scheduler:
         while b.layer < m.num_layers:
             self.stats.batches += 1
             self.stats.batch_rows += len(b.x)
-            if m.attend(b):
+            with self._phase("attention"):
+                routed = m.attend(b)
+            if routed:
                 keys = [(b.layer, e) for e, by in b.route.items() for _ in by]
                 self.cache.demand_many(keys)  # one demand per (request, expert)
                 for st in b.states:
@@ -148,7 +155,8 @@ class Scheduler:
     def _end_pass(self, b: Batch) -> None:
         seqs = [self._owner[id(st)] for st in b.states]
         want = [i for i, s in enumerate(seqs) if not s.feed]  # more prompt to prefill: no logits yet
-        logits = self.model.head(b, want)
+        with self._phase("head"):
+            logits = self.model.head(b, want)
         self.stats.passes += len(seqs)
         self.stats.tokens += sum(b.ns)
         for s in seqs:
@@ -156,7 +164,8 @@ class Scheduler:
         for j, i in enumerate(want):
             seq = seqs[i]
             try:
-                nxt = seq.on_logits(seq, logits[j])
+                with self._phase("sampling"):
+                    nxt = seq.on_logits(seq, logits[j])
             except BaseException as e:  # the owner's failure ends this request only
                 self._fail(seq, e)
                 continue
@@ -173,11 +182,21 @@ class Scheduler:
 
     def _apply(self, key: Key, views: tuple, parts: list[tuple[Batch, list[int]]]) -> None:
         """Expert `key` on requests parts[j][1] of batch parts[j][0]."""
-        self.model.apply_expert(key[1], views, parts)
+        with self._phase("experts"):
+            self.model.apply_expert(key[1], views, parts)
         self.stats.groups += 1
         self.stats.rows += sum(len(b.route[key[1]][i][0]) for b, who in parts for i in who)
         if len(self.stats.group_sizes) < 100_000:
             self.stats.group_sizes.append(sum(len(who) for _b, who in parts))
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Tell the fetcher what this thread does meanwhile (its idle time by phase)."""
+        prev = self.fetcher.phase(name)
+        try:
+            yield
+        finally:
+            self.fetcher.phase(prev)
 
     def _fail(self, seq: Seq, err: BaseException) -> None:
         if seq.sid in self.seqs:
@@ -229,6 +248,11 @@ class LockstepScheduler(Scheduler):
         seqs = [s for s in self.seqs.values() if s.feed]
         if not seqs:
             return
+        with self._phase("scheduling"):
+            self._pass(seqs)
+
+    def _pass(self, seqs: list[Seq]) -> None:
+        """One pass of `seqs`, layer by layer, each layer's experts read before it computes."""
         t0 = time.perf_counter()
         wait0 = self.stats.wait_s
         b = self._start(seqs)
@@ -278,7 +302,8 @@ class LockstepScheduler(Scheduler):
         seen: set[Key] = set()  # every arrival reported
         while missing or expect - seen:
             t = time.perf_counter()
-            got = set(self.fetcher.take_arrived(wait_s=0.05))
+            with self._phase("waiting"):
+                got = set(self.fetcher.take_arrived(wait_s=0.05))
             self.stats.wait_s += time.perf_counter() - t
             held |= got
             seen |= got
@@ -330,9 +355,10 @@ class BevyScheduler(Scheduler):
     def tick(self, rounds: int = 16) -> None:
         """Rounds until one has nothing to compute (then it waited for an expert to
         land), at most `rounds` so the engine loop admits and cancels often enough."""
-        for _ in range(rounds):
-            if not self._round():
-                return
+        with self._phase("scheduling"):
+            for _ in range(rounds):
+                if not self._round():
+                    return
 
     def _round(self) -> bool:
         """One round; False if there was nothing to compute (it waited for the disk)."""
@@ -455,7 +481,9 @@ class BevyScheduler(Scheduler):
 
     def _arrivals(self, wait_s: float) -> None:
         """Experts that landed for waiters: pinned once until their waiters were served."""
-        for key in self.fetcher.take_arrived(wait_s=wait_s):
+        with self._phase("waiting" if wait_s else "scheduling"):
+            arrived = self.fetcher.take_arrived(wait_s=wait_s)
+        for key in arrived:
             self._held.add(key)
             self._asked.pop(key, None)
 

@@ -93,6 +93,26 @@ def _result_row(src: str, sched: str, conc: str) -> Row:
     return Row(f"{sched}, {conc}", " | ".join(cells), f"`results.{sched}.{conc}`")
 
 
+# Sources whose runs record the disk's idle time by scheduler phase (disk_idle_*_frac).
+MEASURES_IDLE: tuple[str, ...] = ()
+IDLE_PHASES = ("attention", "experts", "head", "sampling", "scheduling")
+
+
+def _idle_row(src: str, sched: str) -> Row:
+    p = f"results.{sched}.16."
+    cells = (_f(src, p + "disk_idle_frac", "pct"),
+             *(_f(src, p + f"disk_idle_{ph}_frac", "pct") for ph in IDLE_PHASES))
+    return Row(sched, " | ".join(cells), f"`results.{sched}.16.disk_idle_*`")
+
+
+def _idle(src: str) -> Table:
+    return Table(
+        f"{src}-idle",
+        ("scheduler (16 requests)", "disk idle, share of the wall time", "…while attending a layer and routing",
+         "…while computing experts", "…in the LM head", "…sampling", "…scheduling", "JSON field"),  # type: ignore[arg-type]
+        tuple(_idle_row(src, s) for s in SCHEDULERS + (("bevy_guess",) if src in RUNS_GUESS else ())))
+
+
 def _results(src: str) -> Table:
     return Table(
         f"{src}-results",
@@ -124,4 +144,5 @@ def _bound(src: str) -> Table:
 
 
 FILE = REPO_ROOT / "docs" / "moe.md"
-TABLES = tuple(t for src in SOURCES for t in (_headline(src), _results(src), _bound(src)))
+TABLES = tuple(t for src in SOURCES for t in (_headline(src), _results(src), _bound(src),
+                                               *((_idle(src),) if src in MEASURES_IDLE else ())))

@@ -1,6 +1,7 @@
 """The fetcher's idle-fill reads (the bevy_guess ablation's guesses): the disk reads them
 only when no request waits for an expert, one at a time, a newer guess replaces the queued
-ones, and a guess nobody used is counted as bytes read in vain."""
+ones, and a guess nobody used is counted as bytes read in vain. And its idle time, by what
+the scheduler was doing meanwhile (the gaps bench moe reports)."""
 
 from __future__ import annotations
 
@@ -134,3 +135,35 @@ def test_bevy_guess_reads_guesses_and_answers_as_bevy(moe_model):
     assert guessing == plain  # f32: a guess changes what is read when, never what is computed
     assert stats["guess_reads"] > 0 and plain_stats["guess_reads"] == 0
     assert 0 <= stats["unused_bytes"] <= stats["bytes_read"]
+
+
+def test_idle_time_goes_to_the_phase_the_scheduler_was_in_and_a_read_in_flight_is_not_idle(moe_model):
+    store, cache, fetcher = _gated(moe_model, threads=2)
+    try:
+        fetcher.phase("head")
+        time.sleep(0.3)  # nothing to read: all of it idle, in the head
+        fetcher.phase("experts")
+        fetcher.request((0, 0), priority=1.0, hold=True)
+        fetcher.request((1, 0), priority=-0.5, hold=False)  # a guess: does not make the disk busy
+        _wait_for(lambda: len(store.started) == 2)
+        time.sleep(0.3)  # a request's read in flight: busy
+        store.gate.set()
+        _wait_for(lambda: fetcher.take_arrived(wait_s=0.1) == [(0, 0)])
+        idle = fetcher.idle_by_phase()
+        assert idle["head"] >= 0.25
+        assert idle.get("experts", 0.0) < 0.2  # only the moments around the read, not its 0.3 s
+        assert set(idle) <= {"engine", "head", "experts"}
+    finally:
+        store.gate.set()
+        fetcher.close()
+
+
+def test_an_engine_reports_the_disks_idle_time_by_scheduler_phase(moe_model):
+    from engine.moe.scheduler import PHASES
+
+    _path, store_dir = moe_model("olmoe")
+    _answers_, stats = _answers(store_dir, "bevy")
+    idle = stats["disk_idle_s"]
+    assert set(idle) <= set(PHASES)
+    # a small store is mostly resident: the disk idles through every step of a pass
+    assert all(idle.get(p, 0.0) > 0 for p in ("attention", "experts", "head", "sampling"))
