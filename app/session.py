@@ -30,14 +30,16 @@ def _open(spec: str, kind: str, device: str, settings: dict, progress) -> tuple:
     return engine, engine.info  # read info here too: it is an engine call
 
 
-def _launch(spec: str, plan, cancel: threading.Event, speculative, recover: bool, progress) -> tuple:
+def _launch(spec: str, plan, cancel: threading.Event, speculative, recover: bool, exact_cache: bool,
+            progress) -> tuple:
     engine = client.launch_pipeline(spec, plan, step=lambda s: progress(s), cancel=cancel,
-                                    speculative=speculative, recover=recover)
+                                    speculative=speculative, recover=recover, prompt_cache_exact=exact_cache)
     return engine, engine.info
 
 
-def _launch_fleet(spec: str, plan, cards: list, cancel: threading.Event, progress) -> tuple:
-    engine = client.launch_fleet(spec, plan, cards, step=lambda s: progress(s), cancel=cancel)
+def _launch_fleet(spec: str, plan, cards: list, cancel: threading.Event, exact_cache: bool, progress) -> tuple:
+    engine = client.launch_fleet(spec, plan, cards, step=lambda s: progress(s), cancel=cancel,
+                                 prompt_cache_exact=exact_cache)
     return engine, engine.info
 
 
@@ -140,25 +142,25 @@ class EngineSession(QObject):
         task.failed.connect(lambda exc: self._on_failed(generation, exc))
 
     def launch_pipeline(self, spec: str, plan, speculative: client.SpecChoice | None = None,
-                        recover: bool = True) -> None:
+                        recover: bool = True, exact_cache: bool = False) -> None:
         """Start `plan` (the editor's Plan over this PC's stages: one worker process per stage) as is
-        and make it the engine."""
+        and make it the engine. exact_cache: the exact prompt cache (client.launch_pipeline)."""
         self._begin(spec, "pipeline", plan_summary(plan), plan)
         generation = self._generation
         self._cancel = cancel = threading.Event()
-        task = self.runner.call(_launch, spec, plan, cancel, speculative, recover, report_to="progress",
+        task = self.runner.call(_launch, spec, plan, cancel, speculative, recover, exact_cache, report_to="progress",
                                 name="launch")
         self._follow_launch(task, generation)
 
-    def launch_fleet(self, spec: str, plan, cards: list) -> None:
+    def launch_fleet(self, spec: str, plan, cards: list, exact_cache: bool = False) -> None:
         """Start `plan` (the editor's Plan: node id and device per stage) on fleet agents as is and make
-        it the engine."""
+        it the engine. exact_cache: the exact prompt cache (client.launch_fleet)."""
         names = {c.peer_id: c.name for c in cards}
         self._begin(spec, "pipeline", plan_summary(plan, {s.peer_id: names.get(s.peer_id, s.peer_id[:8])
                                                        for s in plan.stages}), plan)
         generation = self._generation
         self._cancel = cancel = threading.Event()
-        task = self.runner.call(_launch_fleet, spec, plan, list(cards), cancel, report_to="progress",
+        task = self.runner.call(_launch_fleet, spec, plan, list(cards), cancel, exact_cache, report_to="progress",
                                 name="launch-fleet")
         self._follow_launch(task, generation)
 

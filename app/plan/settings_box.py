@@ -1,6 +1,6 @@
 """The plan editor's "Engine settings" box: context, streams, weight precision,
-speculative decoding (mode, draft model, K, adaptive), stage recovery and the
-MoE / sparse cache budget. The editor (app/plan/view.py) reacts to its changes and
+speculative decoding (mode, draft model, K, adaptive), stage recovery, the exact
+prompt cache and the MoE / sparse cache budget. The editor (app/plan/view.py) reacts to its changes and
 decides what is offered (plan_rules.spec_blocker); this box only shows it.
 """
 
@@ -58,6 +58,10 @@ class EngineSettings(QGroupBox):
         self.recover.setChecked(True)
         self.recover.setToolTip("When a stage process dies, a standby takes over and every answer "
                                 "continues (engine/pipeline/recovery.py)")
+        self.exact_cache = QCheckBox("Follow-up answers exactly as uncached (16-bit KV cache)")
+        self.exact_cache.setToolTip("A follow-up turn reuses the stages' KV in whole prefill chunks only, and "
+                                    "every stage keeps a 16-bit KV cache instead of its device's default (the plan's "
+                                    "memory counts it): its answer is the one a fresh request gets")
         self.cache_budget = QSpinBox(minimum=0, maximum=1_000_000, singleStep=256, value=0,
                                      suffix=" MB", specialValueText="automatic (from free RAM)")
         self.cache_budget.setToolTip("RAM for the MoE expert cache or the sparse neuron cache")
@@ -74,6 +78,7 @@ class EngineSettings(QGroupBox):
         form.addRow("Speculative decoding", spec_row)
         form.addRow("", self.spec_reason)
         form.addRow("Reliability", self.recover)
+        form.addRow("Prompt cache", self.exact_cache)
         form.addRow("Cache budget", self.cache_budget)
 
     def weights_choice(self) -> str:

@@ -133,6 +133,7 @@ class PlanView(QWidget):
         self.settings.context.valueChanged.connect(lambda _v: self._request_changed())
         self.settings.streams.valueChanged.connect(lambda _v: self._request_changed())
         self.settings.weights_box.currentIndexChanged.connect(lambda _i: self._request_changed())
+        self.settings.exact_cache.toggled.connect(lambda _on: self._request_changed())
         self._spec_ok, self._spec_why = client.speculative_available()
         row.addWidget(self.settings, 1)
 
@@ -275,7 +276,13 @@ class PlanView(QWidget):
 
     def request(self):
         settings = self.settings
-        return client.plan_request(settings.context.value(), settings.streams.value(), settings.weights_choice())
+        return client.plan_request(settings.context.value(), settings.streams.value(), settings.weights_choice(),
+                                   exact_prompt_cache=self.exact_cache())
+
+    def exact_cache(self) -> bool:
+        """The exact prompt cache, asked for and offered (pipelines only)."""
+        box = self.settings.exact_cache
+        return box.isEnabled() and box.isChecked()
 
     def _on_kind_changed(self) -> None:
         local = self.kind in LOCAL_KINDS
@@ -289,6 +296,7 @@ class PlanView(QWidget):
         self._sync_weights_hint()
         self.settings.cache_budget.setEnabled(self.kind in ("moe", "sparse"))
         self.settings.recover.setEnabled(self.kind == "pipeline" and not self.on_fleet)
+        self.settings.exact_cache.setEnabled(self.kind == "pipeline")
         self._sync_spec()
         self._sync_launch()
 
@@ -449,10 +457,10 @@ class PlanView(QWidget):
         for i, s in enumerate(plan.stages):
             self.progress.add_stage(i, f"{self._peer_name(s.peer_id)} ({s.start}–{s.end})")
         if self.on_fleet:
-            self.session.launch_fleet(self.spec, plan, self.fleet.peers())
+            self.session.launch_fleet(self.spec, plan, self.fleet.peers(), exact_cache=self.exact_cache())
             return
         self.session.launch_pipeline(self.spec, plan, speculative=self.settings.speculative_choice(),
-                                     recover=self.settings.recover.isChecked())
+                                     recover=self.settings.recover.isChecked(), exact_cache=self.exact_cache())
 
     def restyle(self) -> None:
         self._redraw()

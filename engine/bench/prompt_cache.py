@@ -142,7 +142,7 @@ def _memory(engine: Any) -> dict[str, Any]:
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.bench._checkpoint import bench_model
     from engine.local.factory import EngineOptions, open_engine
-    from engine.pipeline.runner import EXACT_CACHE_KV
+    from engine.pipeline.prompt_cache import EXACT_CACHE_KV
 
     history = args.history or (600 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)

@@ -345,7 +345,7 @@ def fleet_launch_available() -> tuple[bool, str]:
 
 def launch_fleet(spec: str, plan: Plan, cards: Sequence[PeerCard],
                  step: Callable[[LaunchStep], None] | None = None,
-                 cancel: threading.Event | None = None) -> Engine:
+                 cancel: threading.Event | None = None, prompt_cache_exact: bool = False) -> Engine:
     """Launch `plan` (a Plan over fleet_peers(), as the plan editor shows it:
     per-stage node id and device, ranges, weight precision, context, streams)
     on fleet agents through engine/fleet/launch.py, as is: the launcher checks
@@ -354,7 +354,8 @@ def launch_fleet(spec: str, plan: Plan, cards: Sequence[PeerCard],
     never re-plans. Then the shards are sent (resumable), workers loaded, a
     CURVE PipelineEngine wired. Blocking; per-stage LaunchStep like
     launch_pipeline. Setting `cancel` stops at the next step (everything
-    started is unloaded) with LaunchCancelled."""
+    started is unloaded) with LaunchCancelled. `prompt_cache_exact`: follow-ups reuse
+    whole prefill chunks and the agents start their workers with a 16-bit KV cache."""
     from engine.fleet.launch_config import LaunchConfig
     from engine.fleet.session import FleetSession
 
@@ -383,7 +384,7 @@ def launch_fleet(spec: str, plan: Plan, cards: Sequence[PeerCard],
             report(LaunchStep(p.stage, "transfer", 0.4 * done, p.message))
 
     cfg = LaunchConfig(model=spec, stages=n, weights=plan.weight_precision, context_length=plan.context_length,
-                       max_concurrent=plan.streams)
+                       max_concurrent=plan.streams, prompt_cache_exact=prompt_cache_exact)
     session = FleetSession(_controller_keys(), peers, cfg, progress, plan=plan, on_stage=on_stage)
     try:
         engine = session.launch()

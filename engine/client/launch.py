@@ -30,7 +30,7 @@ class LaunchCancelled(EngineError):
 
 def launch_pipeline(spec: str, plan: Plan, step: Callable[[LaunchStep], None] | None = None,
                     cancel: threading.Event | None = None, speculative: SpecChoice | None = None,
-                    recover: bool = True) -> Engine:
+                    recover: bool = True, prompt_cache_exact: bool = False) -> Engine:
     """Start `plan` (a Plan over local_peers(), as the plan editor shows it) as
     one stage process per stage on this PC (loopback) and wire it:
     engine.pipeline.runner.launch_pipeline with its per-stage progress and
@@ -45,7 +45,8 @@ def launch_pipeline(spec: str, plan: Plan, step: Callable[[LaunchStep], None] | 
     into place, compile = the worker loads and compiles it, ready). Setting
     `cancel` stops every process and raises LaunchCancelled. `speculative`: a
     SpecChoice (or None = off); `recover`: re-plan onto a warm standby when a
-    stage dies (recovery, not launch)."""
+    stage dies (recovery, not launch); `prompt_cache_exact`: follow-ups reuse
+    whole prefill chunks and the stages keep a 16-bit KV cache (FleetConfig)."""
     from engine.planner.weights import refuse
     from engine.pipeline.runner import FleetConfig
     from engine.pipeline.runner import LaunchCancelled as RunnerCancelled
@@ -60,7 +61,7 @@ def launch_pipeline(spec: str, plan: Plan, step: Callable[[LaunchStep], None] | 
     n = len(stages)
     cfg = FleetConfig(model=spec, stages=n, split=tuple((s.start, s.end) for s in stages), device=devices[0],
                       weights=plan.weight_precision, context_length=plan.context_length,
-                      max_concurrent=plan.streams, recover=recover)
+                      max_concurrent=plan.streams, recover=recover, prompt_cache_exact=prompt_cache_exact)
 
     def same_plan(launched: Plan) -> None:  # the runner evaluated exactly this plan; say so if not
         got = [(s.start, s.end, s.device) for s in launched.stages]

@@ -58,16 +58,23 @@ def fleet_peers(cards: Sequence[PeerCard]) -> list[PeerProfile]:
 WEIGHT_CHOICES = ("auto", "f32", "bf16", "fp16", "int8", "int4")
 
 
-def plan_request(context_length: int | None = None, streams: int = 1, weight_precision: str = "auto") -> PlanRequest:
+def plan_request(context_length: int | None = None, streams: int = 1, weight_precision: str = "auto",
+                 exact_prompt_cache: bool = False) -> PlanRequest:
     """What to plan for. context_length None: the planner's default (engine.models.profile.
     DEFAULT_CONTEXT, at most the model's). weight_precision: one of WEIGHT_CHOICES ("auto" = the most precise
     at which the plan fits, from the model's own dtype, PlanModel.checkpoint_precision,
     down). Every planning function below returns a Plan at one concrete precision
-    (plan_precision(plan)). PlanError (code bad_weights) for an unknown precision."""
+    (plan_precision(plan)). PlanError (code bad_weights) for an unknown precision.
+    exact_prompt_cache: the stages will keep the exact prompt cache's 16-bit KV cache
+    (launch_pipeline / launch_fleet prompt_cache_exact), counted so."""
+    from engine.pipeline.prompt_cache import EXACT_CACHE_KV
+    from engine.planner.memory import kv_element_bytes
     from engine.planner.plan import PlanRequest
     from engine.planner.weights import check_choice
 
-    return PlanRequest(context_length=context_length, streams=streams, weight_precision=check_choice(weight_precision))
+    kv = kv_element_bytes("CPU", ir_precision=EXACT_CACHE_KV) if exact_prompt_cache else None
+    return PlanRequest(context_length=context_length, streams=streams, weight_precision=check_choice(weight_precision),
+                       kv_dtype_bytes=kv)
 
 
 def plan_precision(plan: Plan) -> str:

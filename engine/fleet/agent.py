@@ -253,7 +253,7 @@ class Agent:
         self._check_memory(msg, meta, shard)
         opts = LaunchOptions(msg.device, msg.data_port, self.cfg.bind, msg.exact,
                              self._curve_file(msg.sha256, msg.ring_keys), self.cfg.data / "ov-cache",
-                             msg.ring_keys)
+                             msg.ring_keys, msg.kv_precision)
         worker = await self.supervisor.start(str(meta.get("shard_id", msg.sha256)), msg.sha256,
                                              meta["size"], shard, msg.device, msg.data_port, opts)
         if worker.exit_code is not None or worker.proc.returncode is not None:
@@ -265,7 +265,7 @@ class Agent:
         """Refuse ("refused", with a Refusal: reason, need_bytes, limit_bytes) a worker that would not fit
         the policy's RAM cap or free RAM less the OS reserve: its shard + KV for the
         request's context x streams (LoadRequest.context_length / streams; context 0 =
-        DEFAULT_CONTEXT) + the runtime reserve. Running workers count
+        DEFAULT_CONTEXT) at its KV precision + the runtime reserve. Running workers count
         with what they were sized at."""
         import json
 
@@ -278,7 +278,7 @@ class Agent:
             manifest = None
         context = msg.context_length or DEFAULT_CONTEXT
         streams = msg.streams
-        need = start_need(meta["size"], manifest, msg.device, msg.exact, context, streams)
+        need = start_need(meta["size"], manifest, msg.device, msg.exact, context, streams, msg.kv_precision)
         sized = self.__dict__.setdefault("_start_needs", {})  # sha256 -> bytes it was started with
         used = sum(sized.get(w.sha256, w.size) for w in self.supervisor.running() if w.sha256 != msg.sha256)
         decision = check_start(self.policy, self.state, msg.device, meta["size"], used, need)

@@ -247,12 +247,13 @@ class AgentClient:
 
     async def load(self, sha: str, device: str = "CPU", data_port: int = 0, *, exact: bool = False,
                    ring_keys: tuple[str, ...] = (), timeout: float | None = None,
-                   context_length: int = 0, streams: int = 1) -> LoadReply:
+                   context_length: int = 0, streams: int = 1, kv_precision: str = "") -> LoadReply:
         """Start a worker on a cached shard; the reply's data_port is where it listens.
         ring_keys: the other agents of the ring, which may send to it; context_length x
-        streams: the KV the plan reserved (the agent checks it fits before starting)."""
+        streams: the KV the plan reserved (the agent checks it fits before starting);
+        kv_precision: the worker's KV cache precision ("" = the device's default)."""
         return await self.chan.request(LoadRequest(_rid(), sha, device, data_port, exact, tuple(ring_keys),
-                                                   context_length, streams), LoadReply, timeout)
+                                                   context_length, streams, kv_precision), LoadReply, timeout)
 
     async def unload(self, sha: str) -> UnloadReply:
         return await self.chan.request(UnloadRequest(_rid(), sha), UnloadReply)

@@ -19,6 +19,9 @@ class LaunchConfig:
     context_length: int | None = None  # tokens per stream (KV sizing); None = the model's own; a user plan's wins
     max_concurrent: int = 4  # streams in the ring at once (KV reserved for each on every stage); a user plan's wins
     prefill_chunk: int = 512  # prompt tokens per step
+    # follow-ups reuse whole prefill chunks only and the workers keep a 16-bit KV cache
+    # (engine/pipeline/prompt_cache.py): a cached answer is the uncached one, greedy
+    prompt_cache_exact: bool = False
     device_preference: tuple[str, ...] = DEFAULT_PREFERENCE  # device kinds, best first
     controller_host: str | None = None  # address stages dial back; None = ours toward the first peer
     ready_timeout_s: float = 180.0  # every stage loaded and wired within this

@@ -10,9 +10,10 @@ from typing import Any
 
 from engine.fleet.discovery import Peer
 from engine.fleet.ring_stage import _Stage
+from engine.pipeline.prompt_cache import EXACT_CACHE_KV
 from engine.planner import weights as plan_weights
 from engine.planner.plan import (DEVICE_KINDS, LOOPBACK_LINK, DeviceProfile, PeerProfile, Plan, PlanError,
-                                  PlanModel, PlanRequest, auto_plan)
+                                  PlanModel, PlanRequest, auto_plan, kv_element_bytes)
 from engine.protocol.control import StatusReply
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,17 @@ class LaunchPlanning:
     peers, statuses, cfg, user_plan and model figures, and sets its left_out, plan_lines, stages,
     precision and the plan's model and request (the ring provider checks a replacement with them)."""
 
+    @property
+    def kv_precision(self) -> str:
+        """The workers' KV cache precision: the exact prompt cache's 16-bit one, or "" (the
+        devices' defaults; exact mode's f32 comes with the worker's --exact)."""
+        return EXACT_CACHE_KV if self.cfg.prompt_cache_exact and not self.cfg.exact else ""
+
+    @property
+    def kv_bytes(self) -> float | None:
+        """Bytes of a KV element at kv_precision, as the plan counts it (None: the devices' defaults)."""
+        return kv_element_bytes("CPU", ir_precision=self.kv_precision) if self.kv_precision else None
+
     def _make_plan(self, model: PlanModel) -> Plan:
         """The plan to launch: the user's (checked) or our own (reported); PlanError before anything is sent."""
         from engine.planner.validate import evaluate_plan
@@ -63,7 +75,7 @@ class LaunchPlanning:
         profiles = [peer_profile(p, self.statuses[p.node_id]) for p in usable]
         # "auto" weights: the planner picks the most precise at which its plan fits.
         request = PlanRequest(context_length=self.context_length, streams=self.streams, exact=self.cfg.exact,
-                              weight_precision=self.cfg.weights)
+                              weight_precision=self.cfg.weights, kv_dtype_bytes=self.kv_bytes)
         links = peer_links(usable)
         if self.cfg.stages is None:
             plan = auto_plan(model, profiles, request, links, self.cfg.device_preference)
@@ -79,7 +91,7 @@ class LaunchPlanning:
                     raise PlanError(f"{prof.name} offers no device of kinds {', '.join(self.cfg.device_preference)}")
                 specs.append((prof.peer_id, kinds[0].name, s, e))
             plan = evaluate_plan(specs, model, profiles, request, links)
-            plan_weights.check_plan(plan, model, profiles, plan_weights.request_of(plan),
+            plan_weights.check_plan(plan, model, profiles, plan_weights.request_of(plan, kv_dtype_bytes=self.kv_bytes),
                                     "the plan does not fit the fleet", asked=self.cfg.weights)
         # We planned: show the plan we will use before anything is exported.
         names = {p.node_id: p.info.hostname for p in usable}
@@ -87,7 +99,7 @@ class LaunchPlanning:
         for line in self.plan_lines:
             log.info("fleet: %s", line.strip())
             self.progress(line, 0.0)
-        self._adopt(plan, model, plan_weights.request_of(plan))
+        self._adopt(plan, model, plan_weights.request_of(plan, kv_dtype_bytes=self.kv_bytes))
         return plan
 
     def _check_user_plan(self, model: PlanModel) -> Plan:
@@ -120,8 +132,8 @@ class LaunchPlanning:
                 self.left_out[nid] = "not in the plan"
         used = [self.peers[pid] for pid in dict.fromkeys(plan.peer_ids)]
         profiles = [peer_profile(p, self.statuses.get(p.node_id)) for p in used]
-        # Checked as it will run: exact mode (f32 KV) if this launch asks for it.
-        request = plan_weights.request_of(plan, exact=plan.exact or self.cfg.exact)
+        # Checked as it will run: exact mode (f32 KV) if this launch asks for it, the exact prompt cache's KV.
+        request = plan_weights.request_of(plan, exact=plan.exact or self.cfg.exact, kv_dtype_bytes=self.kv_bytes)
         plan_weights.check_plan(plan, model, profiles, request, "the plan no longer fits the fleet")
         self._adopt(plan, model, request)
         return plan

@@ -114,9 +114,10 @@ class StartNeed:
 
 
 def start_need(shard_bytes: int, manifest: dict | None, device: str, exact: bool,
-               context_length: int, streams: int) -> StartNeed:
+               context_length: int, streams: int, kv_precision: str = "") -> StartNeed:
     """A worker's memory from its shard manifest (shard.json: layer range, KV heads,
-    head dim, hidden size); no manifest: weights and the fixed runtime reserve only."""
+    head dim, hidden size); no manifest: weights and the fixed runtime reserve only.
+    kv_precision: the worker's KV cache precision ("" = the device's default)."""
     from engine.planner import plan
 
     if not manifest:
@@ -126,10 +127,11 @@ def start_need(shard_bytes: int, manifest: dict | None, device: str, exact: bool
     layers = int(manifest["end"]) - int(manifest["start"])
     head_dim, kv_heads = int(manifest["head_dim"]), int(manifest["num_kv_heads"])
     elements = 2 * kv_heads * head_dim  # K + V of one token in one layer
-    el = plan.kv_element_bytes(kind, exact, head_dim=head_dim)
-    kv = int(elements * layers * context_length * streams * el * plan.kv_growth(kind, exact))
+    el = plan.kv_element_bytes(kind, exact, head_dim=head_dim, ir_precision=kv_precision or None)
+    u8 = not exact and (kv_precision or plan.KV_DEFAULT_PRECISION.get(kind)) == "u8"
+    grow = plan.KV_U8_GROWTH if u8 else 1.0  # a u8 CPU cache grows by doubling (plan.kv_growth)
+    kv = int(elements * layers * context_length * streams * el * grow)
     hidden = int(manifest.get("hidden_size") or head_dim)
-    u8 = not exact and plan.KV_DEFAULT_PRECISION.get(kind) == "u8"
     # The manifest names no query heads or MLP width: hidden / head_dim and 4 x hidden
     # (Llama-3 8B: 32 heads, 3.5 x hidden), the scratch's usual shape.
     scratch = plan.prefill_scratch(max(1, hidden // head_dim), 4 * hidden, context_length,

@@ -174,6 +174,8 @@ class FleetRingProvider:
                "--bind", f"tcp://{s._host}:*", "--name", f"stage {old.index} (this PC)", "--device", "CPU",
                "--cache-dir", str(cache_root() / "ov-blobs"), "--parent-pid", str(os.getpid()),
                "--curve", str(curve)] + (["--exact"] if s.cfg.exact else [])
+        if s.kv_precision:  # the exact prompt cache's KV, as the agents' workers keep it
+            cmd += ["--kv-precision", s.kv_precision]
         log_path = s._local_dir / f"local-{n}.log"
         proc = worker_process.spawn(cmd, log_path)
         new = _Stage(old.index, None, "CPU", old.start, old.end, old.bundle, old.sha256,

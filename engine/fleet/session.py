@@ -213,7 +213,7 @@ class FleetSession(LaunchPlanning):
         try:
             reply = await self._clients[st.peer.node_id].load(
                 st.sha256, st.device, 0, exact=self.cfg.exact, ring_keys=others, timeout=self.cfg.load_timeout_s,
-                context_length=self.context_length or 0, streams=self.streams or 1)
+                context_length=self.context_length or 0, streams=self.streams or 1, kv_precision=self.kv_precision)
         except AgentRefused as e:  # the worker would not fit, the owner is back...: name stage and peer
             raise _refused(st, e, "load") from None
         if not reply.data_port:
@@ -233,7 +233,7 @@ class FleetSession(LaunchPlanning):
         pcfg = PipelineConfig(max_concurrent=self.streams, prefill_chunk=self.cfg.prefill_chunk,
                               context_length=self.context_length, return_bind=f"tcp://{host}:*",
                               ready_timeout_s=self.cfg.ready_timeout_s, device=self.stages[0].device,
-                              curve=CurveEnd(self.keys))
+                              curve=CurveEnd(self.keys), prompt_cache_exact=self.cfg.prompt_cache_exact)
         self.progress(f"wiring {len(links)} stages (shards compile on first use)", 0.0)
         return PipelineEngine(links, model_path, self.model_id, pcfg, on_close=self.stop, tokenizer=tokenizer)
 

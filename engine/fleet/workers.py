@@ -7,6 +7,8 @@ The command is a template (a list of strings) with these placeholders:
   {cache}  compiled-blob cache folder   {parent} the agent's pid (workers exit with it)
   {curve}  the worker's CURVE setup file (engine/transport/curve_data.py)
   {exact}  "--exact" for f32 inference, else the argument is dropped
+  {kv}     "--kv-precision=P" for a KV cache precision other than the device's default
+           (LoadRequest.kv_precision), else the argument is dropped
 The agent's default is pipeline_worker_command(), the real pipeline worker
 (engine/shards/worker.py); `flotilla agent --worker-cmd` and
 AgentConfig.worker_command replace it (tests use a tiny worker of their own).
@@ -58,7 +60,7 @@ def pipeline_worker_command() -> list[str]:
     """The real shard worker (engine/shards/worker.py), CURVE on its data plane."""
     return ["{python}", "-m", WORKER_MODULE, "--shard", "{shard}", "--device", "{device}",
             "--bind", "{bind}", "--cache-dir", "{cache}", "--parent-pid", "{parent}",
-            "--curve", "{curve}", "{exact}"]
+            "--curve", "{curve}", "{exact}", "{kv}"]
 
 
 @dataclass(frozen=True)
@@ -72,17 +74,19 @@ class LaunchOptions:
     curve: Path | None = None  # CURVE setup file
     cache: Path | None = None  # compiled-blob cache folder
     ring_keys: tuple[str, ...] = ()  # other agents of the ring (written into the curve file)
+    kv_precision: str = ""  # the worker's KV cache precision; "" = the device's default
 
 
 def render_command(template: Sequence[str], *, shard: Path, sha256: str, device: str,
                    port: int, bind_host: str = "*", exact: bool = False, curve: Path | None = None,
-                   cache: Path | None = None) -> list[str]:
+                   cache: Path | None = None, kv_precision: str = "") -> list[str]:
     values = {"python": sys.executable, "shard": str(shard), "sha256": sha256,
               "device": device, "port": str(port), "bind": f"tcp://{bind_host}:{port or '*'}",
               "cache": str(cache or ""), "parent": str(os.getpid()), "curve": str(curve or ""),
-              "exact": "--exact" if exact else ""}
+              "exact": "--exact" if exact else "",
+              "kv": f"--kv-precision={kv_precision}" if kv_precision else ""}
     # format_map on each argument alone: a value can never inject extra arguments.
-    # An argument that renders empty ("{exact}" when not exact) is dropped.
+    # An argument that renders empty ("{exact}" when not exact, "{kv}" at the default) is dropped.
     out = [arg.format_map(values) for arg in template]
     return [a for a, t in zip(out, template) if a or not t]
 
@@ -130,7 +134,7 @@ class WorkerSupervisor:
             await self.stop(sha256)  # asked for another device, precision or ring: restart
         argv = render_command(self.template, shard=shard, sha256=sha256, device=device, port=port,
                               bind_host=opts.bind_host, exact=opts.exact, curve=opts.curve,
-                              cache=opts.cache)
+                              cache=opts.cache, kv_precision=opts.kv_precision)
         log_path = self.log_dir / f"worker-{sha256[:12]}.log"
         loop = asyncio.get_running_loop()
         with open(log_path, "ab") as logfile:  # the child has its own descriptor

@@ -73,7 +73,7 @@ class PipelineConfig:
     prefill_chunk: int = 512  # prompt tokens per step
     # a follow-up reuses only whole prefill chunks, so its answer is the uncached one at any
     # precision (engine/pipeline/prompt_cache.py; the stages need a 16-bit KV cache for it,
-    # FleetConfig.prompt_cache_exact starts them so); costs up to a chunk of prefill
+    # FleetConfig / the fleet's LaunchConfig.prompt_cache_exact start them so); costs up to a chunk of prefill
     prompt_cache_exact: bool = False
     context_length: int | None = None  # cap on prompt + answer tokens; None = the model's own
     return_bind: str = "tcp://127.0.0.1:*"  # where the last stage sends results (* = a free port)

@@ -9,8 +9,8 @@ same step fields speculative rollback uses), then prefills only the rest.
 With PipelineConfig.prompt_cache_exact a take-over keeps only whole prefill chunks that
 were computed as a fresh prefill computes them (`grid`, engine/runtime/prompt_cache.py),
 and the stages keep a 16-bit KV cache, so the compaction's read-back and rewrite is
-lossless (a u8 cache is re-quantized by it; engine/pipeline/runner.py starts the workers
-so): the cached answer is then the uncached one at any precision, for up to one chunk of
+lossless (a u8 cache is re-quantized by it; the local runner and the fleet session start
+the workers with EXACT_CACHE_KV): the cached answer is then the uncached one at any precision, for up to one chunk of
 prefill more. A stream's `exact` ids are those: its prompt's whole chunks.
 
 Parked streams hold KV on every stage like running ones, so they count against the
@@ -26,6 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.runtime.prompt_cache import best_reuse
+
+# The exact prompt cache's KV cache: a take-over reads the kept KV back and writes it again,
+# lossless at 16 bits (by hand: a u8 cache is re-quantized and its logits move).
+EXACT_CACHE_KV = "f16"
 
 
 @dataclass(frozen=True)

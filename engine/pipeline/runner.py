@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 from engine.platform import process
 from engine.pipeline.coordinator import PipelineConfig, PipelineEngine
+from engine.pipeline.prompt_cache import EXACT_CACHE_KV
 from engine.pipeline.stage_link import StageLink
 from engine.shards import worker_process
 from engine.shards.worker_process import WorkerStartError
@@ -63,9 +64,6 @@ Progress = Callable[[str, float], None]
 # place), "compile" (the worker runs and loads/compiles it), "ready".
 StageProgress = Callable[[int, str, float], None]
 STOP_GRACE_S = 2.0  # graceful stop -> kill
-# The exact prompt cache's KV cache: a take-over reads the kept KV back and writes it again,
-# lossless at 16 bits (by hand: a u8 cache is re-quantized and its logits move).
-EXACT_CACHE_KV = "f16"
 
 
 @dataclass(frozen=True)

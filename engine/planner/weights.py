@@ -43,11 +43,13 @@ def plan_precision(plan: Plan) -> str:
     return plan.weight_precision
 
 
-def request_of(plan: Plan, exact: bool | None = None) -> PlanRequest:
+def request_of(plan: Plan, exact: bool | None = None, kv_dtype_bytes: float | None = None) -> PlanRequest:
     """The request a plan's figures stand for: its precision, context and streams (and
-    exact mode: the plan's own unless the launch runs otherwise)."""
+    exact mode: the plan's own unless the launch runs otherwise; kv_dtype_bytes: a KV
+    cache precision the launch sets, None = the devices' defaults)."""
     return PlanRequest(context_length=plan.context_length, streams=plan.streams,
-                       weight_precision=plan.weight_precision, exact=plan.exact if exact is None else exact)
+                       weight_precision=plan.weight_precision, exact=plan.exact if exact is None else exact,
+                       kv_dtype_bytes=kv_dtype_bytes)
 
 
 def staged(issue: PlanIssue) -> str:

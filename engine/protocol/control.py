@@ -362,6 +362,9 @@ class LoadRequest(Message):
     # What the plan reserved KV for, so the agent's start check sizes the worker as planned.
     context_length: int = 0  # tokens per stream; 0 = engine.models.profile.DEFAULT_CONTEXT
     streams: int = 1  # concurrent streams, each with its own KV
+    # The worker's KV cache precision; "" = the device's default (u8 on CPU). "f16": the exact
+    # prompt cache (engine/pipeline/prompt_cache.py), whose KV read-back must be lossless.
+    kv_precision: Literal["", "u8", "f16", "bf16", "f32"] = ""
 
     def __post_init__(self) -> None:
         require(_rid(self.request_id), "bad request_id")

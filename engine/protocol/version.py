@@ -14,4 +14,5 @@ rule tightened) bumps it, because decoding is strict about the field set.
 #    ChatMessage.tool_calls / tool_call_id (ToolCall); GenerateRequest tools (ToolSpec),
 #    tool_choice, forced_tool, json_schema; Usage.cached_tokens (prompt caching)
 # 6: TokenEvent.error_code (EVENT_ERROR_CODES): an error's category travels as a code, not in its words
-PROTOCOL_VERSION: int = 6
+# 7: LoadRequest.kv_precision (the fleet's exact prompt cache starts its workers with a 16-bit KV cache)
+PROTOCOL_VERSION: int = 7

@@ -29,7 +29,7 @@ def _card(name: str, ram: int) -> client.PeerCard:
 def editor(qtbot, monkeypatch):
     refusals: list[StageRefusal] = []
 
-    def refused_launch(spec, plan, cards, step=None, cancel=None):
+    def refused_launch(spec, plan, cards, step=None, cancel=None, prompt_cache_exact=False):
         last = len(plan.stages) - 1  # the last stage's agent says no
         st = plan.stages[last]
         name = next(c.name for c in cards if c.peer_id == st.peer_id)

@@ -40,18 +40,20 @@ class FakeEngine:
 def editor(qtbot, monkeypatch):
     launched: list[tuple] = []
 
-    def fake_pipeline(spec, plan, step=None, cancel=None, speculative=None, recover=True):
+    def fake_pipeline(spec, plan, step=None, cancel=None, speculative=None, recover=True, prompt_cache_exact=False):
         launched.append(("local", spec, plan))
+        view.exact_caches.append(prompt_cache_exact)
         return FakeEngine(plan)
 
-    def fake_fleet(spec, plan, cards, step=None, cancel=None):
+    def fake_fleet(spec, plan, cards, step=None, cancel=None, prompt_cache_exact=False):
         launched.append(("fleet", spec, plan))
+        view.exact_caches.append(prompt_cache_exact)
         return FakeEngine(plan)
 
     monkeypatch.setattr(client, "launch_pipeline", fake_pipeline)
     monkeypatch.setattr(client, "launch_fleet", fake_fleet)
     view, runner = open_plan_view(qtbot)
-    view.launched = launched
+    view.launched, view.exact_caches = launched, []
     yield view
     runner.wait_for_done(10_000)
 
@@ -189,3 +191,19 @@ def test_fleet_launch_keeps_the_devices_the_user_pinned(editor, qtbot):
     assert kind == "fleet" and plan is shown
     assert [(s.peer_id, s.device, s.start, s.end) for s in plan.stages] == pinned
     assert client.plan_precision(plan) == "int4" and "int4 weights" in view.session.plan_text
+
+
+def test_the_exact_prompt_cache_is_offered_for_pipelines_counted_in_the_plan_and_launched(editor, qtbot):
+    view = editor
+    box = view.settings.exact_cache
+    assert box.isEnabled() and not box.isChecked()
+    view.settings.weights_box.setCurrentIndex(view.settings.weights_box.findData("f32"))
+    default_kv = [s.kv_bytes for s in view.plan.stages]
+    box.setChecked(True)  # the split on screen is re-evaluated at the 16-bit KV the stages will keep
+    _wait_plan(view, qtbot, lambda p: [s.kv_bytes for s in p.stages] != default_kv)
+    assert all(s.kv_bytes > 0 for s in view.plan.stages)
+    view.launch()
+    qtbot.waitUntil(lambda: bool(view.exact_caches), timeout=10_000)
+    assert view.exact_caches == [True]
+    view.engine_box.setCurrentIndex(view.engine_box.findData("local"))
+    assert not box.isEnabled() and not view.exact_cache()  # the local engine's prompt cache is its own

@@ -161,11 +161,16 @@ def test_pipeline_worker_command_renders_every_placeholder(tmp_path):
     exact = render_command(pipeline_worker_command(), shard=tmp_path, sha256=SHA, device="CPU", port=5000,
                            exact=True)
     assert exact[-1] == "--exact" and exact[exact.index("--bind") + 1] == "tcp://*:5000"
+    kv = render_command(pipeline_worker_command(), shard=tmp_path, sha256=SHA, device="CPU", port=0,
+                        curve=tmp_path / "c.json", cache=tmp_path / "ov",
+                        kv_precision="f16")  # LoadRequest.kv_precision: the exact prompt cache's
+    assert kv[-1] == "--kv-precision=f16" and "--kv-precision=f16" not in argv
     # The worker accepts what the agent renders.
     from engine.shards.worker import parse_args
 
     cfg = parse_args(argv[3:])
     assert cfg.bind == "tcp://10.0.0.2:*" and cfg.curve == tmp_path / "c.json" and cfg.device == "GPU.0"
+    assert cfg.kv_precision is None and parse_args(kv[3:]).kv_precision == "f16"
 
 
 # ---------------------------------------------------------------- profiles

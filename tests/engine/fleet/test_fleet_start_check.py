@@ -4,7 +4,7 @@ the OS reserve with its KV and runtime reserve, not just its shard file."""
 from __future__ import annotations
 
 from engine.fleet.policy import MachineState, SharingPolicy, StartNeed, check_start, start_need
-from engine.planner.plan import RUNTIME_RESERVE_BYTES, kv_element_bytes, os_reserve
+from engine.planner.plan import KV_U8_GROWTH, RUNTIME_RESERVE_BYTES, kv_element_bytes, os_reserve
 
 GB = 10**9
 # shard.json of layers 16-32 of Llama-3.1-8B (8 KV heads x 128)
@@ -25,6 +25,18 @@ def test_start_need_counts_kv_at_the_runtime_precision():
     four = start_need(2 * GB, MANIFEST, "CPU", True, 4096, 4)
     assert four.kv == 4 * exact.kv  # each stream its own KV
     assert start_need(2 * GB, None, "CPU", False, 4096, 1) == StartNeed(2 * GB, 0, RUNTIME_RESERVE_BYTES)
+
+
+def test_start_need_counts_the_kv_precision_the_load_asks_for():
+    """The exact prompt cache's 16-bit KV: 2 bytes an element, no u8 scales or doubling growth, and no
+    u8 dequantisation scratch; the CPU's default (u8) costs less per element but grows."""
+    per_token = 16 * 2 * 8 * 128
+    default = start_need(2 * GB, MANIFEST, "CPU", False, 4096, 2)
+    f16 = start_need(2 * GB, MANIFEST, "CPU", False, 4096, 2, kv_precision="f16")
+    assert f16.kv == per_token * 4096 * 2 * 2
+    assert default.kv == int(per_token * 4096 * 2 * kv_element_bytes("CPU") * KV_U8_GROWTH)
+    assert f16.runtime < default.runtime  # no scratch to dequantise a u8 cache
+    assert start_need(2 * GB, MANIFEST, "CPU", True, 4096, 2, kv_precision="f16").kv == 2 * f16.kv  # exact: f32
 
 
 def test_start_need_adds_the_second_copy_of_moe_experts_on_cpu():

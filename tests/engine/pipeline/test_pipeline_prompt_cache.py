@@ -90,7 +90,7 @@ def test_the_exact_prompt_cache_answers_as_a_fresh_request_at_the_default_precis
     """Only whole prefill chunks are reused, computed as a fresh prefill computes them, and the
     stages keep a 16-bit KV cache (the take-over's read-back of a u8 one re-quantizes it): the
     follow-up's answer is the uncached one even where a re-split prefill rounds differently."""
-    from engine.pipeline.runner import EXACT_CACHE_KV
+    from engine.pipeline.prompt_cache import EXACT_CACHE_KV
 
     for link in exact_engine.stages:  # the workers were started with the lossless KV cache
         args = list(link.proc.args)

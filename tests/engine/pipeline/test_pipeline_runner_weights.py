@@ -93,9 +93,10 @@ def test_shards_are_exported_at_the_plans_precision(monkeypatch, demo_dir, tmp_p
     assert fleet.export() == ["shard 0-3", "shard 3-8"]
     assert asked == [(0, 3, "int4"), (3, 8, "int4")]
     # planned and exported, no worker launched: no log folder yet (nothing to remove if it is never stopped)
-    assert fleet.log_dir is None and list(tmp_path.iterdir()) == []
+    # (torch may put its own compile cache there when it first compiles: not ours to count)
+    assert fleet.log_dir is None and list(tmp_path.glob("flotilla-pipeline-*")) == []
     fleet.stop()
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.glob("flotilla-pipeline-*")) == []
 
 
 def test_even_split_covers_every_layer_once():
@@ -106,7 +107,7 @@ def test_even_split_covers_every_layer_once():
 
 
 def test_the_exact_prompt_cache_plans_the_stages_kv_at_16_bits(demo_model):
-    """Its workers keep an f16 KV cache (runner.EXACT_CACHE_KV): the plan counts 2 bytes an element,
+    """Its workers keep an f16 KV cache (prompt_cache.EXACT_CACHE_KV): the plan counts 2 bytes an element,
     where the default u8 cache costs 1 plus its scales and grows by doubling (KV_U8_GROWTH)."""
     from engine.planner.memory import KV_U8_GROWTH, kv_element_bytes
 
