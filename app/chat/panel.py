@@ -22,7 +22,6 @@ from PySide6.QtWidgets import (
     QPushButton, QSpinBox, QVBoxLayout, QWidget,
 )
 
-from app import style
 from app.background import Runner
 from app.chat.transcript import ChatView
 from app.chat.conversation import CANCELLED, DONE, ERROR, STREAMING, Conversation, Turn

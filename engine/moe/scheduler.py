@@ -26,9 +26,9 @@ and each expert is applied once to all rows that wait for it.
   MoE layer's router to its hidden state and asks for the experts it picks as
   idle-fill reads (fetcher.py: after every real miss, one at a time, replaced
   by the next batch's guesses). A guess nobody used is counted
-  (cache.stats.unasked_unused). Not Bevy's default yet: beside it in
-  `bench moe --quick` it gained little while compute ran on one core, and
-  1.08x since the engine computes on every core (docs/moe.md).
+  (cache.stats.unasked_unused). Not Bevy's default: beside it in
+  `bench moe --quick` it was 1.08x Bevy's speed in one set of runs and
+  0.96x in the next, with a third of its guesses used (docs/moe.md).
 * "on_demand" (lockstep, llama.cpp-style): all sequences advance layer by
   layer together; at each layer the missing experts are read (in parallel,
   the same fetcher, a full disk queue) while the batch waits, then the

@@ -60,7 +60,8 @@ def _guess(src: str) -> tuple[Row, ...]:
     return (Row("`bevy_guess` (ablation: Bevy's disk reads guessed experts when it would idle) over Bevy",
                 f"{_f(src, 'bevy_guess_over_bevy', 'x')} at 16 requests; it read "
                 f"{_f(src, p + 'mb_per_token', 'f0')} MB per token, {_f(src, p + 'mb_unused_per_token', 'f0')} "
-                f"of them guesses no request used; tokens equal to on_demand's: "
+                f"of them guesses no request used ({_f(src, p + 'guesses_used_frac', 'pct')} of its guessed reads "
+                f"were used); tokens equal to on_demand's: "
                 f"{_f(src, p + 'same_tokens_as_on_demand', 'pct')}", how),)
 
 
@@ -94,7 +95,7 @@ def _result_row(src: str, sched: str, conc: str) -> Row:
 
 
 # Sources whose runs record the disk's idle time by scheduler phase (disk_idle_*_frac).
-MEASURES_IDLE: tuple[str, ...] = ()
+MEASURES_IDLE: tuple[str, ...] = ("moe-quick", "moe-mixtral")
 IDLE_PHASES = ("attention", "experts", "head", "sampling", "scheduling")
 
 
