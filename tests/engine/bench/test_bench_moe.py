@@ -183,12 +183,13 @@ def test_moe_bench_reports_consistent_figures():
             assert r["mb_per_token"] >= 0 and r["disk_mb_s_busy"] >= 0, where
             assert 0 <= r["compute_frac"] <= 1 and r["io_busy_frac"] >= 0, where
             assert 0 <= r["mean_group"] <= int(conc) and r["mean_batch"] >= 0, where
-            # the disk's idle time by scheduler phase: the rest of the wall time when it was not busy
-            # (medians of 2 runs each, hence the slack), most of it while the model computed
+            # the disk's idle time by scheduler phase: with its busy time, most of the wall time. Neither
+            # counts a read queued while no thread has taken it yet (a thread's wake-up: a real share with
+            # these 0.1 MB reads) nor, for prefetch, wrong guesses still read after the answers are out.
             idle = {k: v for k, v in r.items() if k.startswith("disk_idle_") and k != "disk_idle_frac"}
             assert all(v >= 0 for v in idle.values()) and len(idle) == 7, where
             assert sum(idle.values()) == pytest.approx(r["disk_idle_frac"], abs=0.01), where
-            assert r["io_busy_frac"] + r["disk_idle_frac"] == pytest.approx(1.0, abs=0.1), where
+            assert 0.6 <= r["io_busy_frac"] + r["disk_idle_frac"] <= 1.05, where
             # the synthetic model is f32 (matmuls widened: exact), so every scheduler gives on_demand's answers
             assert r["same_tokens_as_on_demand"] == 1.0, where
             if sched == "resident":  # every expert preloaded: nothing is read while measuring
