@@ -59,3 +59,22 @@ def collect(events) -> tuple[list[int], str, object]:
     events = list(events)
     ids = [t for e in events for t in e.token_ids]
     return ids, "".join(e.text for e in events), events[-1]
+
+
+def check_follow_up_answers_as_uncached(engine, ask, first, chunk: int) -> None:
+    """The exact prompt cache (a pipeline's prompt_cache_exact) on a two-turn chat after `first`
+    (a system prompt long enough for several prefill chunks): the follow-up reuses whole chunks
+    of turn 1's prompt only, and its greedy answer is the one a request gets with the cache off.
+    ask(rid, messages) -> collect()'s (ids, text, final event)."""
+    _ids1, text1, end1 = ask("c1", first)
+    second = first + chat(("assistant", text1), ("user", "And lakes?"))
+    ids2, _, end2 = ask("c2", second)
+    cached = end2.usage.cached_tokens
+    assert cached % chunk == 0 and end1.usage.prompt_tokens - chunk < cached <= end1.usage.prompt_tokens
+    engine.set_prompt_cache(0)
+    try:
+        ids3, _, end3 = ask("c3", second)
+    finally:
+        engine.set_prompt_cache(engine.config.prompt_cache)
+    assert end3.usage.cached_tokens == 0
+    assert ids2 == ids3

@@ -155,3 +155,43 @@ async def pair(agent: AgentProc, keys, name: str = "test-controller") -> None:
     assert done.returncode == 0, done.stderr
     second = await async_pair(keys, agent.pairing, agent.public_key, name)
     assert second.state == "accepted"
+
+
+async def loopback_peer(agent: AgentProc):
+    """The agent as discovery reports it (a Peer on 127.0.0.1), from its info port directly."""
+    import zmq.asyncio
+
+    from engine.fleet.discovery import INFO_OFFSET, Peer, async_query_info
+
+    ctx = zmq.asyncio.Context()
+    try:
+        info = await async_query_info(ctx, "127.0.0.1", agent.base + INFO_OFFSET)
+    finally:
+        ctx.term()
+    return Peer(info, ("127.0.0.1",), "manual", time.time())
+
+
+def paired_agents(tmp: Path, n: int):
+    """n agents with the real pipeline worker, started in parallel (each imports OpenVINO) and
+    paired with a fresh controller key: (agents, keys, peers). The caller stops the agents;
+    they are stopped here if pairing fails."""
+    from engine.transport.security import KeyPair
+
+    procs = [AgentProc(tmp / f"n{i}", real_worker=True) for i in range(n)]
+    starters = [threading.Thread(target=a.start) for a in procs]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join()
+    keys = KeyPair.generate()
+
+    async def setup():
+        await asyncio.gather(*(pair(a, keys) for a in procs))
+        return [await loopback_peer(a) for a in procs]
+
+    try:
+        return procs, keys, asyncio.run(setup())
+    except BaseException:
+        for a in procs:
+            a.stop()
+        raise

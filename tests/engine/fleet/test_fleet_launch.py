@@ -23,10 +23,9 @@ pytest.importorskip("openvino")
 pytest.importorskip("torch")
 
 from engine_helpers import chat, reference_greedy  # noqa: E402
-from fleet_helpers import AgentProc, pair, set_idle  # noqa: E402
+from fleet_helpers import AgentProc, paired_agents, set_idle  # noqa: E402
 
 from engine.fleet.client import AgentClient, NotPaired  # noqa: E402
-from engine.fleet.discovery import INFO_OFFSET, Peer, async_query_info  # noqa: E402
 from engine.fleet.launch import launch_fleet  # noqa: E402
 from engine.fleet.launch_config import LaunchConfig  # noqa: E402
 from engine.fleet.session import FleetSession  # noqa: E402
@@ -37,17 +36,6 @@ from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E4
 TOKENS = 32
 CFG = LaunchConfig(model="demo", stages=2, exact=True, max_concurrent=4, device_preference=("CPU",),
                    controller_host="127.0.0.1", recover=False)  # recovery: test_fleet_recovery.py
-
-
-async def _peer(agent: AgentProc) -> Peer:
-    import zmq.asyncio
-
-    ctx = zmq.asyncio.Context()
-    try:
-        info = await async_query_info(ctx, "127.0.0.1", agent.base + INFO_OFFSET)
-    finally:
-        ctx.term()
-    return Peer(info, ("127.0.0.1",), "manual", time.time())
 
 
 async def _status(agent: AgentProc, keys: KeyPair):
@@ -61,17 +49,8 @@ async def _status(agent: AgentProc, keys: KeyPair):
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory, demo_dir):
     demo_dir("demo")
-    tmp = tmp_path_factory.mktemp("launch")
-    procs = [AgentProc(tmp / f"n{i}", real_worker=True).start() for i in range(2)]
-    keys = KeyPair.generate()
-
-    async def setup():
-        for a in procs:
-            await pair(a, keys)
-        return [await _peer(a) for a in procs]
-
+    procs, keys, peers = paired_agents(tmp_path_factory.mktemp("launch"), 2)
     try:
-        peers = asyncio.run(setup())
         yield procs, keys, peers
     finally:
         for a in procs:

@@ -15,7 +15,6 @@ spare. Checked:
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -26,13 +25,11 @@ pytest.importorskip("openvino")
 pytest.importorskip("torch")
 
 from engine_helpers import chat, reference_greedy  # noqa: E402
-from fleet_helpers import AgentProc, pair, set_idle  # noqa: E402
+from fleet_helpers import paired_agents, set_idle  # noqa: E402
 
 from engine.fleet.launch import launch_fleet  # noqa: E402
 from engine.fleet.launch_config import LaunchConfig  # noqa: E402
-from engine.transport.security import KeyPair  # noqa: E402
 from engine.protocol.messages import GenerateRequest, SamplingParams  # noqa: E402
-from test_fleet_launch import _peer  # noqa: E402
 
 TOKENS = 400
 # Long answers whatever the random weights say: the owner must return while every stream runs.
@@ -47,21 +44,8 @@ CONVS = [chat(("user", "Tell me about the sea.")),
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory, demo_dir):
     demo_dir("demo")
-    tmp = tmp_path_factory.mktemp("recovery")
-    procs = [AgentProc(tmp / f"n{i}", real_worker=True) for i in range(3)]
-    starters = [threading.Thread(target=a.start) for a in procs]  # in parallel: each imports OpenVINO
-    for t in starters:
-        t.start()
-    for t in starters:
-        t.join()
-    keys = KeyPair.generate()
-
-    async def setup():
-        await asyncio.gather(*(pair(a, keys) for a in procs))
-        return [await _peer(a) for a in procs]
-
+    procs, keys, peers = paired_agents(tmp_path_factory.mktemp("recovery"), 3)
     try:
-        peers = asyncio.run(setup())
         yield procs, keys, peers
     finally:
         for a in procs:

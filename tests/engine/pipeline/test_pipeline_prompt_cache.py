@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("openvino")
 pytest.importorskip("zmq")
 
-from engine_helpers import chat, collect, reference_greedy  # noqa: E402
+from engine_helpers import chat, check_follow_up_answers_as_uncached, collect, reference_greedy  # noqa: E402
 
 from engine.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from engine.runtime.chat import chat_ids  # noqa: E402
@@ -95,16 +95,5 @@ def test_the_exact_prompt_cache_answers_as_a_fresh_request_at_the_default_precis
     for link in exact_engine.stages:  # the workers were started with the lossless KV cache
         args = list(link.proc.args)
         assert args[args.index("--kv-precision") + 1] == EXACT_CACHE_KV
-    first = chat(SYSTEM, ("user", "Tell me about rivers."))
-    ids1, text1, end1 = _ask(exact_engine, "x1", first)
-    second = first + chat(("assistant", text1), ("user", "And lakes?"))
-    ids2, _, end2 = _ask(exact_engine, "x2", second)
-    cached = end2.usage.cached_tokens
-    assert cached % CHUNK == 0 and end1.usage.prompt_tokens - CHUNK < cached <= end1.usage.prompt_tokens
-    exact_engine.set_prompt_cache(0)
-    try:
-        ids3, _, end3 = _ask(exact_engine, "x3", second)
-    finally:
-        exact_engine.set_prompt_cache(exact_engine.config.prompt_cache)
-    assert end3.usage.cached_tokens == 0
-    assert ids2 == ids3
+    check_follow_up_answers_as_uncached(exact_engine, lambda rid, m: _ask(exact_engine, rid, m),
+                                        chat(SYSTEM, ("user", "Tell me about rivers.")), CHUNK)
