@@ -67,12 +67,11 @@ def plan_request(context_length: int | None = None, streams: int = 1, weight_pre
     (plan_precision(plan)). PlanError (code bad_weights) for an unknown precision.
     exact_prompt_cache: the stages will keep the exact prompt cache's 16-bit KV cache
     (launch_pipeline / launch_fleet prompt_cache_exact), counted so."""
-    from engine.pipeline.prompt_cache import EXACT_CACHE_KV
-    from engine.planner.memory import kv_element_bytes
+    from engine.pipeline.prompt_cache import planned_kv_bytes, stage_kv_precision
     from engine.planner.plan import PlanRequest
     from engine.planner.weights import check_choice
 
-    kv = kv_element_bytes("CPU", ir_precision=EXACT_CACHE_KV) if exact_prompt_cache else None
+    kv = planned_kv_bytes(stage_kv_precision(exact_prompt_cache))
     return PlanRequest(context_length=context_length, streams=streams, weight_precision=check_choice(weight_precision),
                        kv_dtype_bytes=kv)
 

@@ -10,10 +10,10 @@ from typing import Any
 
 from engine.fleet.discovery import Peer
 from engine.fleet.ring_stage import _Stage
-from engine.pipeline.prompt_cache import EXACT_CACHE_KV
+from engine.pipeline.prompt_cache import planned_kv_bytes, stage_kv_precision
 from engine.planner import weights as plan_weights
 from engine.planner.plan import (DEVICE_KINDS, LOOPBACK_LINK, DeviceProfile, PeerProfile, Plan, PlanError,
-                                  PlanModel, PlanRequest, auto_plan, kv_element_bytes)
+                                  PlanModel, PlanRequest, auto_plan)
 from engine.protocol.control import StatusReply
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,12 @@ class LaunchPlanning:
     def kv_precision(self) -> str:
         """The workers' KV cache precision: the exact prompt cache's 16-bit one, or "" (the
         devices' defaults; exact mode's f32 comes with the worker's --exact)."""
-        return EXACT_CACHE_KV if self.cfg.prompt_cache_exact and not self.cfg.exact else ""
+        return stage_kv_precision(self.cfg.prompt_cache_exact, self.cfg.exact)
 
     @property
     def kv_bytes(self) -> float | None:
         """Bytes of a KV element at kv_precision, as the plan counts it (None: the devices' defaults)."""
-        return kv_element_bytes("CPU", ir_precision=self.kv_precision) if self.kv_precision else None
+        return planned_kv_bytes(self.kv_precision)
 
     def _make_plan(self, model: PlanModel) -> Plan:
         """The plan to launch: the user's (checked) or our own (reported); PlanError before anything is sent."""

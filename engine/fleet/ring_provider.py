@@ -4,8 +4,6 @@ stage's layers on a spare agent (or on this PC) and retires the old workers."""
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import tempfile
 import threading
 import time
@@ -170,12 +168,9 @@ class FleetRingProvider:
         allow = [p.info.public_key for p in s.peers.values()] + [s.keys.public]
         n = len(s._all)
         curve = write_curve_file(s._local_dir / f"local-{n}.curve.json", s._local_dir / "node.secret", allow)
-        cmd = [sys.executable, "-m", worker_process.WORKER_MODULE, "--shard", str(old.shard_path),
-               "--bind", f"tcp://{s._host}:*", "--name", f"stage {old.index} (this PC)", "--device", "CPU",
-               "--cache-dir", str(cache_root() / "ov-blobs"), "--parent-pid", str(os.getpid()),
-               "--curve", str(curve)] + (["--exact"] if s.cfg.exact else [])
-        if s.kv_precision:  # the exact prompt cache's KV, as the agents' workers keep it
-            cmd += ["--kv-precision", s.kv_precision]
+        cmd = worker_process.worker_command(old.shard_path, f"tcp://{s._host}:*", f"stage {old.index} (this PC)",
+                                            "CPU", cache_root() / "ov-blobs", exact=s.cfg.exact,
+                                            kv_precision=s.kv_precision, curve=curve)
         log_path = s._local_dir / f"local-{n}.log"
         proc = worker_process.spawn(cmd, log_path)
         new = _Stage(old.index, None, "CPU", old.start, old.end, old.bundle, old.sha256,

@@ -16,7 +16,7 @@ meanwhile finds the other threads free for it.
 
 The fetcher also keeps where its idle time went: the scheduler names what it is
 doing (`phase`), and every stretch with nothing to read (idle-fill guesses
-aside) is added to that phase's `idle_s` -- the gaps a scheduler leaves the
+aside) is added to that phase (`idle_by_phase`) -- the gaps a scheduler leaves the
 disk, which the benchmark reports beside the overlap bound.
 
 A failed read (I/O error, checksum mismatch) is recorded per expert; the
@@ -71,7 +71,7 @@ class Fetcher:
         self._busy_since: float | None = None
         self._phase = "engine"  # what the scheduler is doing (phase())
         self._mark = time.perf_counter()  # idle time is tallied up to here
-        self.idle_s: dict[str, float] = {}  # phase -> wall time with nothing to read during it
+        self._idle_s: dict[str, float] = {}  # phase -> wall time with nothing to read during it
         self.stats = FetchStats()
         self._threads = [threading.Thread(target=self._work, name=f"moe-fetch-{i}", daemon=True)
                          for i in range(max(1, threads))]
@@ -149,7 +149,7 @@ class Fetcher:
         """Seconds with nothing to read (idle-fill guesses aside), by the scheduler's phase."""
         with self._cv:
             self._tally()
-            return dict(self.idle_s)
+            return dict(self._idle_s)
 
     def _idle(self) -> bool:
         return not self._inflight - self._fills and not any(not is_fill(p) for p in self._queued.values())
@@ -159,7 +159,7 @@ class Fetcher:
         last tally was idle (or not) in the current phase."""
         now = time.perf_counter()
         if self._idle():
-            self.idle_s[self._phase] = self.idle_s.get(self._phase, 0.0) + now - self._mark
+            self._idle_s[self._phase] = self._idle_s.get(self._phase, 0.0) + now - self._mark
         self._mark = now
 
     def close(self) -> None:

@@ -32,6 +32,20 @@ from engine.runtime.prompt_cache import best_reuse
 EXACT_CACHE_KV = "f16"
 
 
+def stage_kv_precision(prompt_cache_exact: bool, exact: bool = False) -> str:
+    """The KV cache precision a launch asks its stages for: the exact prompt cache's, or ""
+    (the devices' defaults; exact mode's f32 KV comes with the worker's --exact)."""
+    return EXACT_CACHE_KV if prompt_cache_exact and not exact else ""
+
+
+def planned_kv_bytes(kv_precision: str) -> float | None:
+    """Bytes of a KV element at a stage's kv_precision, as the planner counts it
+    (PlanRequest.kv_dtype_bytes); None: the devices' defaults."""
+    from engine.planner.memory import kv_element_bytes
+
+    return kv_element_bytes("CPU", ir_precision=kv_precision) if kv_precision else None
+
+
 @dataclass(frozen=True)
 class Parked:
     stream_id: str

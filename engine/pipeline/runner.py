@@ -31,10 +31,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -43,14 +41,13 @@ from typing import Any, Callable
 
 from engine.platform import process
 from engine.pipeline.coordinator import PipelineConfig, PipelineEngine
-from engine.pipeline.prompt_cache import EXACT_CACHE_KV
+from engine.pipeline.prompt_cache import planned_kv_bytes, stage_kv_precision
 from engine.pipeline.stage_link import StageLink
 from engine.shards import worker_process
 from engine.shards.worker_process import WorkerStartError
 from engine.core.interface import EngineError
 from engine.planner import weights as plan_weights
 from engine.planner.issues import PlanError
-from engine.planner.memory import kv_element_bytes
 from engine.planner.model import PlanModel
 from engine.planner.peers import DEVICE_KINDS, DeviceProfile, PeerProfile
 from engine.planner.request import PlanRequest
@@ -138,14 +135,13 @@ def plan_local(model: PlanModel, cfg: FleetConfig, context_length: int) -> Plan:
     kind = cfg.device.split(".")[0].upper()
     device = DeviceProfile(kind if kind in DEVICE_KINDS else "CPU", cfg.device)
     peers = [PeerProfile(f"local-{i}", f"this PC #{i + 1}", (device,), budget // n) for i in range(n)]
-    exact_cache = cfg.prompt_cache_exact and not cfg.exact  # the workers' KV: EXACT_CACHE_KV, as the planner counts it
-    kv_bytes = kv_element_bytes(device.kind, ir_precision=EXACT_CACHE_KV) if exact_cache else None
+    kv_bytes = planned_kv_bytes(stage_kv_precision(cfg.prompt_cache_exact, cfg.exact))  # as the workers keep it
     request = PlanRequest(context_length=context_length, streams=cfg.max_concurrent, exact=cfg.exact,
                           kv_dtype_bytes=kv_bytes, weight_precision=plan_weights.check_choice(cfg.weights))
     specs = [(p.peer_id, cfg.device, s, e) for p, (s, e) in zip(peers, ranges)]
     plan = evaluate_plan(specs, model, peers, request)
-    plan_weights.check_plan(plan, model, peers, plan_weights.request_of(plan), "the plan cannot run on this PC",
-                            asked=cfg.weights)
+    plan_weights.check_plan(plan, model, peers, plan_weights.request_of(plan, kv_dtype_bytes=kv_bytes),
+                            "the plan cannot run on this PC", asked=cfg.weights)
     return plan
 
 
@@ -218,17 +214,10 @@ class LocalFleet:
 
             self.ring_keys = LocalRingKeys(len(infos))
         for i, info in enumerate(infos):
-            cmd = [sys.executable, "-m", worker_process.WORKER_MODULE, "--shard", str(info.path),
-                   "--bind", f"tcp://{self.cfg.host}:*", "--name", f"stage {i}", "--device", self.cfg.device,
-                   "--cache-dir", str(blobs), "--parent-pid", str(os.getpid())]
-            if self.cfg.exact:
-                cmd.append("--exact")
-            elif self.cfg.prompt_cache_exact:
-                cmd += ["--kv-precision", EXACT_CACHE_KV]
-            if self.cfg.threads:
-                cmd += ["--threads", str(self.cfg.threads)]
-            if self.ring_keys is not None:
-                cmd += ["--curve", str(self.ring_keys.curve_files[i])]
+            cmd = worker_process.worker_command(
+                info.path, f"tcp://{self.cfg.host}:*", f"stage {i}", self.cfg.device, blobs, exact=self.cfg.exact,
+                kv_precision=stage_kv_precision(self.cfg.prompt_cache_exact, self.cfg.exact), threads=self.cfg.threads,
+                curve=self.ring_keys.curve_files[i] if self.ring_keys is not None else None)
             log_path = self.log_dir / f"stage-{i}.log"
             # Own process group: a terminal Ctrl-C reaches only us; we stop them.
             proc = worker_process.spawn(cmd, log_path)

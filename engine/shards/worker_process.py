@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -43,6 +44,23 @@ def worker_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def worker_command(shard: Path, bind: str, name: str, device: str, cache_dir: Path, *, exact: bool = False,
+                   kv_precision: str = "", threads: int | None = None, curve: Path | None = None) -> list[str]:
+    """The shard worker's command line as this PC starts one (the local runner, a fleet's
+    stage recovered onto this PC): exact mode or a KV precision, threads, CURVE setup."""
+    cmd = [sys.executable, "-m", WORKER_MODULE, "--shard", str(shard), "--bind", bind, "--name", name,
+           "--device", device, "--cache-dir", str(cache_dir), "--parent-pid", str(os.getpid())]
+    if exact:
+        cmd.append("--exact")
+    elif kv_precision:
+        cmd += ["--kv-precision", kv_precision]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if curve is not None:
+        cmd += ["--curve", str(curve)]
+    return cmd
 
 
 def spawn(cmd: Sequence[str], log_path: Path, *, stdin: Any = subprocess.DEVNULL,
