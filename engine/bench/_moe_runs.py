@@ -70,6 +70,8 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
             # of the reads made on a guess, the share a request used (absent: no guesses)
             **({"guesses_used_frac": 1.0 - st["unused_bytes"] / guessed} if guessed else {}),
             "mean_batch": st["mean_batch"],
+            # share of the request passes Bevy started while it moved its requests in two waves
+            "two_waves_frac": st["two_wave_passes"] / st["passes"] if st["passes"] else 0.0,
             "disk_mb_s_busy": st["bytes_read"] / 1e6 / st["io_busy_s"] if st["io_busy_s"] else 0.0,
             "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall,
             # share of the wall time the disk had nothing to read, by what the scheduler did then

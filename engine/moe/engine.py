@@ -189,10 +189,11 @@ class MoEEngine(InboxEngine):
                 "hit_rate": c.hit_rate, "bytes_read": self.store.bytes_read, "blobs_read": self.store.reads,
                 "speculative_reads": f.speculative, "guess_reads": f.fills,
                 "unused_bytes": self.cache.guessed_unused() * self.cache.index.blob_bytes,
-                "io_busy_s": f.busy_s, "compute_s": s.compute_s,
+                "io_busy_s": self.fetcher.busy_time(), "compute_s": s.compute_s,
                 # wall time the disk had nothing to read, by what the scheduler was doing then
                 "disk_idle_s": self.fetcher.idle_by_phase(),
                 "wait_s": s.wait_s, "passes": s.passes, "groups": s.groups,
+                "two_wave_passes": s.two_wave_passes,
                 "mean_batch": s.batch_rows / s.batches if s.batches else 0.0,
                 "mean_group": float(np.mean(s.group_sizes)) if s.group_sizes else 0.0}
 

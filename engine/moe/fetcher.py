@@ -137,6 +137,12 @@ class Fetcher:
         with self._cv:
             return self._idle()
 
+    def busy_time(self) -> float:
+        """Seconds the disk has had a read in flight so far (the stretch under way included)."""
+        with self._cv:
+            open_s = 0.0 if self._busy_since is None else time.perf_counter() - self._busy_since
+            return self.stats.busy_s + open_s
+
     def phase(self, name: str) -> str:
         """The scheduler now does `name` (its idle time is counted there); returns the
         phase it left."""

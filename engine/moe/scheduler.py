@@ -20,7 +20,12 @@ and each expert is applied once to all rows that wait for it.
   nothing to read (entering_now: the wave stays whole, and pays each layer's
   attention and the head once, while the disk is busy; it runs ahead when the
   disk would idle). Within a layer no request waits for another's experts.
-  Fetch threads read while this thread computes.
+  Fetch threads read while this thread computes. While the disk is the slower
+  of the two even with a second head and attention paid, and the cache holds
+  two layers' worth of the experts the requests pick, the requests move as two
+  waves that do not wait for each other (two_waves, wave_count): one wave's
+  reads fill the moments the other computes a layer's last experts, attends the
+  next layer or runs the head, when it has nothing to read itself.
 * "bevy_guess" (an ablation, not a listed scheduler): Bevy whose disk reads
   guesses when it would idle: each batch that enters a layer applies the next
   MoE layer's router to its hidden state and asks for the experts it picks as
@@ -29,6 +34,8 @@ and each expert is applied once to all rows that wait for it.
   (cache.stats.unasked_unused). Not Bevy's default: beside it in
   `bench moe --quick` it was 1.08x Bevy's speed in one set of runs and
   0.96x in the next, with a third of its guesses used (docs/moe.md).
+* "bevy_one_wave", "bevy_two_waves" (ablations): Bevy whose requests always
+  move as one wave (Bevy before its two waves), or always as two.
 * "on_demand" (lockstep, llama.cpp-style): all sequences advance layer by
   layer together; at each layer the missing experts are read (in parallel,
   the same fetcher, a full disk queue) while the batch waits, then the
@@ -55,8 +62,9 @@ from engine.moe.model import Batch, MoEModel, SeqState
 from engine.moe.store import Key
 
 SCHEDULERS = ("bevy", "on_demand", "prefetch", "resident")
-# on_demand computing each expert as it lands; Bevy reading guesses when the disk would idle (docs/moe.md)
-ABLATIONS = ("on_demand_overlap", "bevy_guess")
+# on_demand computing each expert as it lands; Bevy reading guesses when the disk would idle; Bevy
+# moving its requests always as one wave, or always as two (docs/moe.md)
+ABLATIONS = ("on_demand_overlap", "bevy_guess", "bevy_one_wave", "bevy_two_waves")
 NOW = 1e12  # fetch priority of experts a lockstep batch is blocked on
 # What a scheduler can be doing, for the fetcher's idle time by phase (bench moe reports it):
 # attending a layer and routing, computing experts, the LM head, the owner's sampling,
@@ -73,6 +81,7 @@ class Seq:
     state: SeqState | None = None  # its place in the model, set by the scheduler
     chunk: int = 512  # tokens per pass (long prompts take several)
     layer: int = -1  # layer the current pass is at (-1: between passes)
+    wave: int = 0  # which of Bevy's waves it moves with
 
 
 @dataclass
@@ -86,6 +95,8 @@ class SchedStats:
     compute_s: float = 0.0  # time this thread spent computing
     wait_s: float = 0.0  # time this thread spent blocked on fetches
     group_sizes: list[int] = field(default_factory=list)  # requests per group (sampled)
+    phase_s: dict[str, float] = field(default_factory=dict)  # time in each of PHASES (nested ones overlap)
+    two_wave_passes: int = 0  # request passes Bevy started while it moved two waves
 
 
 def _alive(st: SeqState) -> bool:
@@ -191,11 +202,13 @@ class Scheduler:
 
     @contextlib.contextmanager
     def _phase(self, name: str):
-        """Tell the fetcher what this thread does meanwhile (its idle time by phase)."""
+        """Tell the fetcher what this thread does meanwhile (its idle time by phase); time it."""
         prev = self.fetcher.phase(name)
+        t = time.perf_counter()
         try:
             yield
         finally:
+            self.stats.phase_s[name] = self.stats.phase_s.get(name, 0.0) + time.perf_counter() - t
             self.fetcher.phase(prev)
 
     def _fail(self, seq: Seq, err: BaseException) -> None:
@@ -342,15 +355,56 @@ class BevyScheduler(Scheduler):
 
     name = "bevy"
 
-    def __init__(self, model: MoEModel, cache: ExpertCache, fetcher: Fetcher, guess: bool = False) -> None:
+    def __init__(self, model: MoEModel, cache: ExpertCache, fetcher: Fetcher, guess: bool = False,
+                 waves: int | None = None) -> None:
         super().__init__(model, cache, fetcher)
         self.guess = guess  # idle-fill reads of the next layer's guessed experts
-        self.name = "bevy_guess" if guess else "bevy"
+        self.fixed_waves = waves  # None: one or two as the passes' costs say (_decide_waves); the ablations fix it
+        self.waves = waves or 1  # waves in use now
+        self._window = self._totals()  # compute, disk-busy and split-cost seconds at the last decision
+        self._prompt_fed = False  # a pass since then fed more than one token of a request
+        self.name = "bevy_guess" if guess else {None: "bevy", 1: "bevy_one_wave", 2: "bevy_two_waves"}[waves]
         self._held: set[Key] = set()  # arrived for waiters, pinned once, waiters not all served yet
         self._batches: list[Batch] = []  # batches at some layer with requests waiting for experts
         self._asked: dict[Key, float] = {}  # fetches asked for, at which priority
         # Requests done with a layer, not yet attended at the next: layer -> [(batch, requests)].
         self._entering: dict[int, list[tuple[Batch, list[int]]]] = {}
+
+    def add(self, seq: Seq) -> None:
+        """A new request joins the smaller of the two waves (they move as one while
+        self.waves is 1)."""
+        sizes = [0, 0]
+        for other in self.seqs.values():
+            sizes[other.wave] += 1
+        seq.wave = sizes.index(min(sizes))
+        super().add(seq)
+
+    def _wave(self, b: Batch) -> int:
+        """The wave b's requests move with now (a batch never mixes waves)."""
+        if self.waves == 1:
+            return 0
+        return next((self._owner[id(st)].wave for st in b.states if id(st) in self._owner), 0)
+
+    def _seq_wave(self, seq: Seq) -> int:
+        return seq.wave if self.waves > 1 else 0
+
+    def _totals(self) -> tuple[float, float, float]:
+        """(compute, disk busy, one wave's split cost: head + attention) seconds so far."""
+        ph = self.stats.phase_s
+        return (self.stats.compute_s, self.fetcher.busy_time(), ph.get("head", 0.0) + ph.get("attention", 0.0))
+
+    def _decide_waves(self) -> None:
+        """One wave or two for the passes that start now, from what the last ones cost (a
+        window with a prompt chunk in it says nothing of the answers' steps: kept as is)."""
+        now = self._totals()
+        compute, busy, split = (a - b for a, b in zip(now, self._window))
+        self._window, prompt = now, self._prompt_fed
+        self._prompt_fed = False
+        if self.fixed_waves is not None or prompt:
+            return
+        fits = wave_count(len(self.seqs), self.model.index.num_experts, self.model.top_k,
+                          self.cache.capacity) >= 2
+        self.waves = 2 if fits and two_waves(busy, compute, split, self.waves) else 1
 
     def tick(self, rounds: int = 16) -> None:
         """Rounds until one has nothing to compute (then it waited for an expert to
@@ -425,21 +479,28 @@ class BevyScheduler(Scheduler):
             return True
         # No expert work is ready: lined-up groups enter their next layer (entering_now).
         entering, self._entering = self._take_entering()
-        for layer in sorted(entering, reverse=True):  # the furthest first
-            parts = [(b, [i for i in idx if _alive(b.states[i])]) for b, idx in entering[layer]]
+        for key in sorted(entering, key=lambda k: -k[1]):  # the furthest first
+            parts = [(b, [i for i in idx if _alive(b.states[i])]) for b, idx in entering[key]]
             parts = [(b, idx) for b, idx in parts if idx]
             if parts:
                 nb = self._next(parts)
                 if nb is not None:
                     self._batches.append(nb)
                     self._guess(nb)
-        fresh = [s for s in self.seqs.values() if s.layer < 0 and s.feed]  # admitted, or a next token
-        if fresh:  # their next pass enters layer 0 as one batch
-            entering[-1] = []
-            b = self._start(fresh)
-            if b is not None:
-                self._batches.append(b)
-                self._guess(b)
+        starting = [s for s in self.seqs.values() if s.layer < 0 and s.feed]  # admitted, or a next token
+        if starting:
+            self._decide_waves()
+        for wave in range(self.waves):
+            fresh = [s for s in starting if self._seq_wave(s) == wave]
+            self._prompt_fed |= any(len(s.feed) > 1 for s in fresh)
+            if self.waves > 1:
+                self.stats.two_wave_passes += len(fresh)
+            if fresh:  # their next pass enters layer 0 as one batch (one per wave)
+                entering[(wave, -1)] = []
+                b = self._start(fresh)
+                if b is not None:
+                    self._batches.append(b)
+                    self._guess(b)
         if entering:
             self._plan({(b.layer, e) for b in self._batches for e in b.todo})
         self.stats.compute_s += time.perf_counter() - t0
@@ -466,18 +527,24 @@ class BevyScheduler(Scheduler):
                 self.fetcher.request((nxt, e), priority=-1.0 / (1 + n), hold=False)
 
     def _take_entering(self) -> tuple[dict, dict]:
-        """(the lined-up groups that enter their next layer now, the ones that keep waiting):
-        see entering_now."""
+        """(the lined-up groups that enter their next layer now, by (wave, layer); the ones
+        that keep waiting, by layer): see entering_now."""
         if not self._entering:
             return {}, {}
-        size = {layer: sum(1 for b, idx in parts for i in idx if _alive(b.states[i]))
-                for layer, parts in self._entering.items()}
-        behind = [b.layer - 1 for b in self._batches for i, st in enumerate(b.states)
+        groups: dict[tuple[int, int], list[tuple[Batch, list[int]]]] = {}
+        for layer, parts in self._entering.items():
+            for b, idx in parts:
+                groups.setdefault((self._wave(b), layer), []).append((b, idx))
+        size = {key: sum(1 for b, idx in parts for i in idx if _alive(b.states[i])) for key, parts in groups.items()}
+        behind = [(self._wave(b), b.layer - 1) for b in self._batches for i, st in enumerate(b.states)
                   if not b.moved[i] and _alive(st)]
-        behind += [-1 for s in self.seqs.values() if s.layer < 0 and s.feed]
+        behind += [(self._seq_wave(s), -1) for s in self.seqs.values() if s.layer < 0 and s.feed]
         now = entering_now(size, behind, self.fetcher.idle())
-        return ({m: p for m, p in self._entering.items() if m in now},
-                {m: p for m, p in self._entering.items() if m not in now})
+        wait: dict[int, list[tuple[Batch, list[int]]]] = {}
+        for (_w, layer), parts in groups.items():
+            if (_w, layer) not in now:
+                wait.setdefault(layer, []).extend(parts)
+        return {k: p for k, p in groups.items() if k in now}, wait
 
     def _arrivals(self, wait_s: float) -> None:
         """Experts that landed for waiters: pinned once until their waiters were served."""
@@ -488,22 +555,55 @@ class BevyScheduler(Scheduler):
             self._asked.pop(key, None)
 
 
-def entering_now(lined_up: dict[int, int], behind: list[int], disk_idle: bool) -> set[int]:
+def two_waves(disk_s: float, compute_s: float, split_s: float, waves: int) -> bool:
+    """Whether Bevy's next passes move in two waves, from the last ones' seconds: the
+    disk's busy time, the scheduler's compute time, and the part of it a second wave
+    pays again (one more head and one more attention per layer: their time in one wave).
+
+    One wave pays each layer's attention and the head once a step, but while it computes
+    the experts that landed last for a layer, attends the next one and runs the head, no
+    request of it has a miss to read: the disk idles (`bench moe`'s idle time by phase).
+    Two waves that move independently fill those moments with each other's reads, at the
+    cost of that compute paid twice. That pays only while the disk stays the slower of
+    the two with the cost added: from one wave, split when the disk's time exceeds the
+    compute plus the split's cost; in two, stay while it exceeds the compute (which holds
+    the cost already)."""
+    if waves < 2:
+        return disk_s > compute_s + split_s
+    return disk_s > compute_s
+
+
+def wave_count(requests: int, experts: int, top_k: int, cache_slots: int) -> int:
+    """How many waves the cache allows `requests` in: 2 when it holds what both need.
+
+    Two waves drift up to about a layer apart, so the cache must hold two layers' worth
+    of the experts a whole wave picks (expected distinct experts of `requests` tokens
+    choosing top_k of `experts` uniformly; trained routers pick fewer): otherwise the
+    second wave reads again what the first just used (a few wide experts, as Mixtral's 8,
+    need every expert of a layer: one wave)."""
+    if requests < 2:
+        return 1
+    distinct = experts * (1.0 - (1.0 - top_k / experts) ** requests)
+    return 2 if 2 * distinct <= cache_slots else 1
+
+
+def entering_now(lined_up: dict[tuple[int, int], int], behind: list[tuple[int, int]],
+                 disk_idle: bool) -> set[tuple[int, int]]:
     """Which lined-up groups of Bevy enter their next layer now.
 
-    lined_up: layer done -> requests lined up to enter layer + 1; behind: for every other
-    request of the pass, the last layer it is done with (-1: it has not started, L - 1:
-    it waits for experts at L). A group enters once no request of its pass is behind it:
+    lined_up: (wave, layer done) -> requests lined up to enter layer + 1; behind: for every
+    other request, (its wave, the last layer it is done with: -1 it has not started, L - 1
+    it waits for experts at L). A group enters once no request of its wave is behind it:
     those would enter the same layer later, and every entry reads the layer's attention
     weights (past the last layer, the head's: a 150k-token vocabulary is as many bytes as
     several layers) whatever the rows, so a wave split in two pays them twice. Waiting
     costs nothing while the disk is busy: the ones behind wait for it. When the disk has
-    nothing to read, the biggest group enters at once, so that its next layer's misses
-    keep the disk busy."""
-    at = behind + [m for m, n in lined_up.items() if n]  # where every request of the pass is
-    now = {m for m in lined_up if not any(p < m for p in at)}
+    nothing to read, the biggest group (of any wave; then the furthest) enters at once, so
+    that its next layer's misses keep the disk busy."""
+    at = behind + [k for k, n in lined_up.items() if n]  # where every request is
+    now = {(w, m) for w, m in lined_up if not any(pw == w and p < m for pw, p in at)}
     if not now and disk_idle and lined_up:
-        now = {max(lined_up, key=lambda m: (lined_up[m], m))}
+        now = {max(lined_up, key=lambda k: (lined_up[k], k[1]))}
     return now
 
 
@@ -512,6 +612,8 @@ def make_scheduler(kind: str, model: MoEModel, cache: ExpertCache, fetcher: Fetc
         return BevyScheduler(model, cache, fetcher)
     if kind == "bevy_guess":  # not a listed scheduler: the ablation of docs/moe.md
         return BevyScheduler(model, cache, fetcher, guess=True)
+    if kind in ("bevy_one_wave", "bevy_two_waves"):  # not listed: Bevy's waves fixed (docs/moe.md)
+        return BevyScheduler(model, cache, fetcher, waves=1 if kind == "bevy_one_wave" else 2)
     if kind in ("on_demand", "prefetch", "resident"):
         return LockstepScheduler(model, cache, fetcher, kind)
     if kind == "on_demand_overlap":  # not a listed baseline: the overlap ablation of docs/moe.md

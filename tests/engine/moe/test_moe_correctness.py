@@ -1,6 +1,6 @@
 """The MoE engine computes what transformers computes: logits within 1e-4 (f32)
 and identical greedy tokens, for Mixtral, Qwen2-MoE (shared expert), OLMoE and
-Qwen3-MoE, under every scheduler, several cache sizes, 1 and 8 concurrent requests."""
+Qwen3-MoE, under every scheduler (and Bevy in one wave and in two), several cache sizes, 1 and 8 concurrent requests."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _check(path, out, logits, tok):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe"])
-@pytest.mark.parametrize("scheduler", ["bevy", "on_demand", "prefetch", "resident"])
+@pytest.mark.parametrize("scheduler", ["bevy", "bevy_one_wave", "bevy_two_waves", "on_demand", "prefetch", "resident"])
 def test_matches_transformers(moe_model, arch, scheduler):
     path, store_dir = moe_model(arch)
     index = ExpertStore(store_dir).index

@@ -158,6 +158,22 @@ def test_idle_time_goes_to_the_phase_the_scheduler_was_in_and_a_read_in_flight_i
         fetcher.close()
 
 
+def test_the_disk_s_busy_time_counts_a_read_still_in_flight(moe_model):
+    store, cache, fetcher = _gated(moe_model, threads=1)
+    try:
+        fetcher.request((0, 0), priority=1.0, hold=True)
+        _wait_for(lambda: store.started == [(0, 0)])
+        time.sleep(0.3)
+        assert fetcher.stats.busy_s == 0.0  # no stretch of reads has closed yet
+        assert fetcher.busy_time() >= 0.25  # Bevy's choice of waves reads this one
+        store.gate.set()
+        _wait_for(lambda: fetcher.take_arrived(wait_s=0.1) == [(0, 0)])
+        assert fetcher.stats.busy_s >= 0.25 and abs(fetcher.busy_time() - fetcher.stats.busy_s) < 1e-9
+    finally:
+        store.gate.set()
+        fetcher.close()
+
+
 def test_an_engine_reports_the_disks_idle_time_by_scheduler_phase(moe_model):
     from engine.moe.scheduler import PHASES
 

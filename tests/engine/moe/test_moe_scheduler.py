@@ -1,35 +1,80 @@
-"""Bevy's rule for when requests done with a layer enter the next one (entering_now).
+"""Bevy's rules: when requests done with a layer enter the next one (entering_now), and in
+how many waves it moves its requests (wave_count).
 
 Every entry reads the layer's attention weights (the head's, past the last layer) whatever
 its rows, so a wave of requests split across entries pays them again; requests wait for the
-rest of their pass only while the disk is busy serving it."""
+rest of their wave only while the disk is busy serving it. Two waves fill each other's
+moments without reads, when the cache holds what both need."""
 
-from engine.moe.scheduler import entering_now
+from engine.moe.scheduler import entering_now, two_waves, wave_count
+
+
+def w0(*layers: int) -> list[tuple[int, int]]:
+    """Requests of wave 0 at these layers."""
+    return [(0, m) for m in layers]
 
 
 def test_a_group_with_nobody_behind_it_enters():
     # 4 done with layer 0, 3 done with layer 2, one request waits for experts at layer 2 (done with 1)
-    assert entering_now({0: 4, 2: 3}, behind=[1], disk_idle=False) == {0}
+    assert entering_now({(0, 0): 4, (0, 2): 3}, behind=w0(1), disk_idle=False) == {(0, 0)}
 
 
-def test_a_group_waits_for_the_requests_of_its_pass_behind_it_while_the_disk_is_busy():
-    assert entering_now({2: 3}, behind=[0, 1], disk_idle=False) == set()
+def test_a_group_waits_for_the_requests_of_its_wave_behind_it_while_the_disk_is_busy():
+    assert entering_now({(0, 2): 3}, behind=w0(0, 1), disk_idle=False) == set()
     # a group lined up at an earlier layer is behind it too
-    assert entering_now({1: 2, 2: 3}, behind=[], disk_idle=False) == {1}
+    assert entering_now({(0, 1): 2, (0, 2): 3}, behind=[], disk_idle=False) == {(0, 1)}
 
 
-def test_requests_about_to_start_their_pass_hold_every_group_back():
-    assert entering_now({0: 2, 3: 5}, behind=[-1], disk_idle=False) == set()
+def test_requests_of_another_wave_hold_nobody_back():
+    # wave 1 is a layer behind wave 0: wave 0's group goes on; wave 1's waits for its own
+    assert entering_now({(0, 2): 8, (1, 1): 3}, behind=[(1, 0)], disk_idle=False) == {(0, 2)}
+
+
+def test_requests_about_to_start_their_pass_hold_every_group_of_their_wave_back():
+    assert entering_now({(0, 0): 2, (0, 3): 5}, behind=w0(-1), disk_idle=False) == set()
+    assert entering_now({(0, 0): 2, (0, 3): 5}, behind=[(1, -1)], disk_idle=False) == {(0, 0)}
 
 
 def test_when_the_disk_would_idle_the_biggest_group_enters_at_once():
-    assert entering_now({1: 2, 3: 5}, behind=[0], disk_idle=True) == {3}
-    assert entering_now({1: 4, 3: 4}, behind=[0], disk_idle=True) == {3}  # a tie: the furthest
+    assert entering_now({(0, 1): 2, (0, 3): 5}, behind=w0(0), disk_idle=True) == {(0, 3)}
+    assert entering_now({(0, 1): 4, (0, 3): 4}, behind=w0(0), disk_idle=True) == {(0, 3)}  # a tie: the furthest
+    assert entering_now({(0, 1): 2, (1, 1): 5}, behind=[(0, 0), (1, 0)], disk_idle=True) == {(1, 1)}
 
 
 def test_groups_whose_requests_all_ended_hold_nobody_back():
-    assert entering_now({0: 0, 2: 3}, behind=[], disk_idle=False) == {0, 2}
+    assert entering_now({(0, 0): 0, (0, 2): 3}, behind=[], disk_idle=False) == {(0, 0), (0, 2)}
 
 
 def test_nothing_lined_up_nothing_enters():
-    assert entering_now({}, behind=[0, 2], disk_idle=True) == set()
+    assert entering_now({}, behind=w0(0, 2), disk_idle=True) == set()
+
+
+def test_one_request_is_one_wave():
+    assert wave_count(1, experts=128, top_k=8, cache_slots=10_000) == 1
+
+
+def test_two_waves_when_the_cache_holds_two_layers_of_a_wave_s_experts():
+    # Qwen3-30B-A3B's routing: 16 requests pick about 82 of 128 experts a layer
+    assert wave_count(16, experts=128, top_k=8, cache_slots=170) == 2
+    assert wave_count(16, experts=128, top_k=8, cache_slots=150) == 1
+
+
+def test_a_few_wide_experts_are_one_wave():
+    # Mixtral's 8 experts, top-2: 16 requests need all 8 a layer; a cache of 5 cannot hold two layers
+    assert wave_count(16, experts=8, top_k=2, cache_slots=5) == 1
+    assert wave_count(2, experts=8, top_k=2, cache_slots=5) == 1
+
+
+def test_one_wave_splits_when_the_disk_stays_the_slower_with_the_split_s_cost():
+    # per step: the disk busy 36 ms, compute 25 ms, of which head + attention 5 ms
+    assert two_waves(disk_s=0.036, compute_s=0.025, split_s=0.005, waves=1)
+    # compute-bound (the disk 52 ms, compute 63 ms): a second head and attention would only add
+    assert not two_waves(disk_s=0.052, compute_s=0.063, split_s=0.010, waves=1)
+    # the disk only just slower: the split's cost would make compute the slower
+    assert not two_waves(disk_s=0.036, compute_s=0.033, split_s=0.005, waves=1)
+
+
+def test_two_waves_stay_while_the_disk_is_the_slower():
+    # in two waves the compute holds the split's cost already
+    assert two_waves(disk_s=0.034, compute_s=0.030, split_s=0.010, waves=2)
+    assert not two_waves(disk_s=0.030, compute_s=0.034, split_s=0.010, waves=2)
