@@ -380,7 +380,8 @@ class BevyScheduler(Scheduler):
         super().add(seq)
 
     def _wave(self, b: Batch) -> int:
-        """The wave b's requests move with now (a batch never mixes waves)."""
+        """The wave b moves with now: its first live request's (a batch started while Bevy
+        moved one wave may hold requests of both; it moves whole until its pass ends)."""
         if self.waves == 1:
             return 0
         return next((self._owner[id(st)].wave for st in b.states if id(st) in self._owner), 0)

@@ -47,6 +47,7 @@ def _headline(src: str) -> Table:
         Row("wall time of one run", f"{f('wall_s', 'f0')} s", how),
         *(_quality(src) if src in MEASURES_QUALITY else ()),
         *(_guess(src) if src in RUNS_GUESS else ()),
+        *(_one_wave(src) if src in RUNS_ONE_WAVE else ()),
     ))
 
 
@@ -63,6 +64,23 @@ def _guess(src: str) -> tuple[Row, ...]:
                 f"of them guesses no request used ({_f(src, p + 'guesses_used_frac', 'pct')} of its guessed reads "
                 f"were used); tokens equal to on_demand's: "
                 f"{_f(src, p + 'same_tokens_as_on_demand', 'pct')}", how),)
+
+
+# Sources whose runs include the bevy_one_wave ablation (Bevy before its two waves).
+RUNS_ONE_WAVE = ("moe-quick",)
+
+
+def _one_wave(src: str) -> tuple[Row, ...]:
+    how = f"{SOURCES[src]} `--schedulers bevy,on_demand,prefetch,bevy_guess,bevy_one_wave`"
+    return (Row("Bevy over `bevy_one_wave` (ablation: Bevy's requests always in one wave): what its two waves gain",
+                f"{_f(src, 'bevy_over_one_wave', 'x')} at 16 requests; Bevy started "
+                f"{_f(src, 'results.bevy.16.two_waves_frac', 'pct')} of its request passes there in two waves, "
+                f"{_f(src, 'results.bevy.4.two_waves_frac', 'pct')} at 4 requests", how),)
+
+
+def _ablations(src: str) -> tuple[str, ...]:
+    """The ablation schedulers a source's runs include, for its per-scheduler tables."""
+    return (("bevy_guess",) if src in RUNS_GUESS else ()) + (("bevy_one_wave",) if src in RUNS_ONE_WAVE else ())
 
 
 # Sources whose runs record how the matmuls ran and every scheduler's answers (older runs do not).
@@ -111,7 +129,7 @@ def _idle(src: str) -> Table:
         f"{src}-idle",
         ("scheduler (16 requests)", "disk idle, share of the wall time", "…while attending a layer and routing",
          "…while computing experts", "…in the LM head", "…sampling", "…scheduling", "JSON field"),  # type: ignore[arg-type]
-        tuple(_idle_row(src, s) for s in SCHEDULERS + (("bevy_guess",) if src in RUNS_GUESS else ())))
+        tuple(_idle_row(src, s) for s in SCHEDULERS + _ablations(src)))
 
 
 def _results(src: str) -> Table:
@@ -120,8 +138,7 @@ def _results(src: str) -> Table:
         ("scheduler, requests", "tok/s (aggregate)", "TPOT per request (s)", "hit rate", "MB read / token",
          "disk busy", "compute thread busy", "disk MB/s while busy", "cache (MB)", "group peak (MB)",
          "JSON field"),  # type: ignore[arg-type]
-        tuple(_result_row(src, s, c) for s in SCHEDULERS + (("bevy_guess",) if src in RUNS_GUESS else ())
-              for c in CONCURRENCY))
+        tuple(_result_row(src, s, c) for s in SCHEDULERS + _ablations(src) for c in CONCURRENCY))
 
 
 def _bound_row(src: str, conc: str) -> Row:
