@@ -382,11 +382,10 @@ class BevyScheduler(Scheduler):
     def _wave(self, b: Batch) -> int:
         """The wave b moves with now: its first live request's (a batch started while Bevy
         moved one wave may hold requests of both; it moves whole until its pass ends)."""
-        if self.waves == 1:
-            return 0
-        return next((self._owner[id(st)].wave for st in b.states if id(st) in self._owner), 0)
+        return next((self._seq_wave(self._owner[id(st)]) for st in b.states if id(st) in self._owner), 0)
 
     def _seq_wave(self, seq: Seq) -> int:
+        """The wave seq moves with now (every request is wave 0 while Bevy moves one)."""
         return seq.wave if self.waves > 1 else 0
 
     def _totals(self) -> tuple[float, float, float]:
