@@ -1,10 +1,14 @@
-"""`flotilla bench prompt-cache`: what the local engine's prompt cache saves a chat.
+"""`flotilla bench prompt-cache`: what an engine's prompt cache saves a chat.
 
 A conversation with a long history (--history tokens, default 2 000, text from the
 demo corpus, a different one each round) on a model of real size (--model, default
 the 0.90 B random Llama of `bench local`, bf16 checkpoint, the engine's default
-precision), on the local engine or (--engine pipeline) 2 local stage processes:
-turn 1 asks a question; turn 2 adds turn 1's answer and a new question.
+precision), on the local engine, (--engine pipeline) 2 local stage processes,
+(--engine moe) the MoE engine on Qwen3-30B-A3B's shapes (random weights, bf16, 4
+layers: the checkpoint of `bench moe --quick`; its experts stream from disk with
+O_DIRECT, in an expert cache of --cache-budget-mb), or (--engine sparse) the sparse
+engine on the 0.9 B Llama (its default predicted mode and threshold): turn 1 asks a
+question; turn 2 adds turn 1's answer and a new question.
 Per round:
 
 - turn 1's time to first token (everything prefilled);
@@ -23,7 +27,9 @@ differently per chunk shape), and a cached turn is a different split: turn 1's p
 the answer's one-token steps, then the new part; and the pipeline's take-over compacts
 the stages' u8 KV state, which re-quantizes it (docs/api.md). So on the pipeline each
 round also asks turn 2 uncached with prefill chunks of half the size
-(`other_split_identical`: is even the uncached answer unique?). --exact-cache turns on
+(`other_split_identical`: is even the uncached answer unique?); so do the MoE and
+sparse engines' rounds (16-bit weights, and the sparse engine's predicted neurons).
+--exact-cache turns on
 the pipeline's exact prompt cache (PipelineConfig.prompt_cache_exact: whole prefill
 chunks only, a 16-bit KV cache on the stages). Each round records
 where the cached answer first parts from the uncached one (`first_difference`, None when
@@ -37,6 +43,10 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+ENGINES = ("local", "pipeline", "moe", "sparse")
+MOE_SHAPE = "qwen3-30b-a3b"  # --engine moe's default model: this published shape, 4 layers
+MOE_BUDGET_MB = 1000  # of the 4 layers' 4.8 GB of experts
+
 NAME = "prompt-cache"
 HELP = ("prompt caching on the local engine or a 2-stage pipeline: a 2 000-token chat's second turn, "
         "TTFT with and without the cache")
@@ -49,13 +59,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                              "(default 2000; quick 600)")
     p.add_argument("--answer", type=int, default=16, help="tokens per answer (default 16)")
     p.add_argument("--rounds", type=int, default=None, help="conversations (default 3; quick 1)")
-    p.add_argument("--engine", choices=("local", "pipeline"), default="local",
-                   help="the local engine, or a pipeline of 2 local stage processes (default local)")
+    p.add_argument("--engine", choices=ENGINES, default="local",
+                   help="the local engine, a pipeline of 2 local stage processes, the MoE engine (on "
+                        "Qwen3-30B-A3B's shapes unless --model names a folder) or the sparse engine "
+                        "(default local)")
+    p.add_argument("--cache-budget-mb", type=int, default=MOE_BUDGET_MB,
+                   help=f"moe: the expert cache (default {MOE_BUDGET_MB} MB, a fifth of the 4 layers' experts)")
     p.add_argument("--precision", choices=("default", "f32"), default="default",
                    help="the device's default (CPU: bf16 compute where it has it, u8 KV cache) or exact f32 "
                         "math and KV (default: default)")
     p.add_argument("--exact-cache", action="store_true",
                    help="pipeline: the exact prompt cache (whole prefill chunks, 16-bit KV on the stages)")
+
+
+def _model(args: argparse.Namespace, report: Callable[[str], None]) -> str:
+    """The model folder: --engine moe's published shape unless --model names something else."""
+    from engine.bench._checkpoint import bench_model, ensure_checkpoint
+    from engine.bench._moe_models import real_spec
+
+    if args.engine == "moe" and args.model == "random-llama-0.9b":  # the parser's default is a dense model
+        return str(ensure_checkpoint(real_spec(MOE_SHAPE, None), report=report))
+    return bench_model(args.model, report)
 
 
 def _corpus_ids(tokenizer: Any) -> list[int]:
@@ -90,15 +114,23 @@ def _ask(engine: Any, rid: str, turns: list[tuple[str, str]], n: int) -> tuple[l
 
 
 def _ask_split(engine: Any, rid: str, turns: list[tuple[str, str]], n: int) -> list[int]:
-    """The pipeline's answer with prefill chunks of half its size (nothing cached)."""
+    """The answer with prefill chunks of half the engine's size (nothing cached): the
+    pipeline's and the MoE engine's config.prefill_chunk, the sparse engine's prefill_chunk."""
     import dataclasses
 
-    config = engine.config  # read at each admission; a bench-only swap, put back at once
-    engine.config = dataclasses.replace(config, prefill_chunk=max(1, config.prefill_chunk // 2))
+    config = getattr(engine, "config", None)  # read at each admission; a bench-only swap, put back at once
+    if config is not None:
+        engine.config = dataclasses.replace(config, prefill_chunk=max(1, config.prefill_chunk // 2))
+    else:
+        chunk = engine.prefill_chunk
+        engine.prefill_chunk = max(1, chunk // 2)
     try:
         return _ask(engine, rid, turns, n)[0]
     finally:
-        engine.config = config
+        if config is not None:
+            engine.config = config
+        else:
+            engine.prefill_chunk = chunk
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -118,6 +150,26 @@ def kv_cache_precision(precision: str) -> str:
     return ov.Core().get_property("CPU", "KV_CACHE_PRECISION").to_string()  # e.g. "u8"
 
 
+def _torch_kv_precision(engine: Any) -> str:
+    """The KV element type of the engines that keep it in torch tensors: the MoE engine's
+    (f16, f32 in exact mode); the sparse engine's transformers cache (f32)."""
+    memory = getattr(engine, "memory", None)
+    return memory["kv_precision"] if memory is not None else "f32"
+
+
+def _io(engine: Any) -> dict[str, Any] | None:
+    """The "io" record of an engine that reads weights from a store while it runs (moe, sparse)."""
+    from engine.bench._io_figures import io_figures
+
+    store = getattr(engine, "store", None)
+    if store is None and hasattr(engine, "runtime"):
+        store = engine.runtime.store
+    if store is None:
+        return None
+    info = store.io_info()
+    return io_figures(info["requested"] != "buffered", [info])
+
+
 def _kept_bytes(engine: Any) -> int | None:
     """KV bytes of the paged engine's kept blocks (held by no running request); None elsewhere."""
     pool = getattr(engine, "pool", None)
@@ -130,6 +182,10 @@ def _memory(engine: Any) -> dict[str, Any]:
     from engine.bench._local_memory import proc_status
 
     out: dict[str, Any] = {}
+    stats = engine.stats() if getattr(engine.info, "engine", None) in ("moe", "sparse") else {}
+    for key in ("kv_reserve_bytes", "cache_budget_bytes", "direct_io", "bytes_read"):  # moe, sparse
+        if key in stats:
+            out[key] = stats[key]
     pool = getattr(engine, "pool", None)
     if pool is not None:  # cached_tokens come in whole blocks there
         out.update(kv_pool_bytes=pool.blocks * engine.model.block_bytes, kv_block_bytes=engine.model.block_bytes,
@@ -140,7 +196,6 @@ def _memory(engine: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
-    from engine.bench._checkpoint import bench_model
     from engine.local.factory import EngineOptions, open_engine
     from engine.pipeline.prompt_cache import EXACT_CACHE_KV
 
@@ -150,9 +205,15 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     exact_cache = bool(getattr(args, "exact_cache", False))
     if exact_cache and args.engine != "pipeline":  # refused before the model is built
         raise SystemExit("--exact-cache is a pipeline setting (the local engine's cache is exact already)")
-    path = bench_model(args.model, report)
+    path = _model(args, report)
     report(f"opening {Path(path).name} on the {args.engine} engine (export and compile on first use)")
-    if args.engine == "pipeline":
+    if args.engine in ("moe", "sparse"):  # one conversation at a time: its KV is what is kept
+        budget = args.cache_budget_mb * 10**6 if args.engine == "moe" else None
+        engine = open_engine(path, args.engine, EngineOptions(precision=precision, cache_budget_bytes=budget,
+                                                              extra={"max_concurrent": 1} if args.engine == "moe"
+                                                              else {}))
+        pool = 1
+    elif args.engine == "pipeline":
         engine = open_engine(path, "pipeline", EngineOptions(precision=precision, extra={
             "stages": 2, "max_concurrent": 2, "prompt_cache_exact": exact_cache}))
         pool = engine.parked.capacity
@@ -174,7 +235,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             engine.set_prompt_cache(0)  # no cache: turn 2 again from nothing
             ids3, end3 = _ask(engine, f"r{r}t2-nocache", q2, args.answer)
             other = None
-            if args.engine == "pipeline":  # the control: uncached again, other chunk boundaries
+            if args.engine != "local":  # the control: uncached again, other chunk boundaries
                 other = _ask_split(engine, f"r{r}t2-split", q2, args.answer)
             engine.set_prompt_cache(pool)
             row = {"history_tokens": end1.usage.prompt_tokens, "turn2_prompt_tokens": end2.usage.prompt_tokens,
@@ -190,6 +251,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             rows.append(row)
             report(f"round {r + 1}: {row}")
         memory = _memory(engine)
+        io = _io(engine)
     finally:
         engine.close()
 
@@ -201,15 +263,17 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             "identical": all(x["identical"] for x in rows)}
     return {"engine": args.engine, "model": Path(path).name, "history": history, "answer_tokens": args.answer,
             "precision": precision, "pool_size": pool,
-            "kv_cache_precision": (EXACT_CACHE_KV if exact_cache and precision != "f32"
+            "kv_cache_precision": (_torch_kv_precision(engine) if args.engine in ("moe", "sparse")
+                                   else EXACT_CACHE_KV if exact_cache and precision != "f32"
                                    else kv_cache_precision(precision)),
+            **({"io": io} if io is not None else {}),
             "rounds": rows, "turn2_over_turn1": med("turn2_over_turn1"),
             "cached_over_uncached": med("cached_over_uncached"), "turn1_ttft_s": med("turn1_ttft_s"),
             "turn2_ttft_s": med("turn2_ttft_s"), "turn2_uncached_ttft_s": med("turn2_uncached_ttft_s"),
             "turn2_cached_tokens": med("turn2_cached_tokens"),
             "identical_rounds": sum(x["identical"] for x in rows), "round_count": len(rows),
             "same_tokens": med("same_tokens"), "exact_cache": exact_cache,
-            "other_split_identical_rounds": (None if args.engine != "pipeline"
+            "other_split_identical_rounds": (None if args.engine == "local"
                                              else sum(bool(x["other_split_identical"]) for x in rows)),
             "goal": goal, "memory": memory,
             "passed": all(goal.values())}

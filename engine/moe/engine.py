@@ -6,6 +6,12 @@ the scheduler (Bevy or a baseline, see scheduler.py) do a round of work.
 Fetch threads read experts meanwhile. Token picking, detokenizing, stop
 strings and timings are engine.runtime's (the same as LocalEngine).
 
+Prompt caching: a request's KV slot keeps what it held when the answer ended, and a
+new prompt that starts the same way takes that slot and prefills only the rest
+(model.KVPool; usage reports what it took over as cached_tokens). On this engine
+that saves more than compute: every prefill chunk needs nearly all of a layer's
+experts, read from disk.
+
     engine = MoEEngine.from_spec("demo-moe", MoEConfig(scheduler="bevy", cache_budget_bytes=2**20))
 """
 
@@ -181,6 +187,11 @@ class MoEEngine(InboxEngine):
         return EngineInfo(self.model_id, "moe", "CPU", self.context_length,
                           tool_format.of(self.tokenizer).name)
 
+    def set_prompt_cache(self, streams: int) -> None:
+        """Prompt caching on (streams > 0) or off. The kept KV lives in the KV slots no request
+        runs in (model.KVPool), so its size is bounded by the reserve, not a count."""
+        self.model.kv.set_keep(streams > 0)
+
     def stats(self) -> dict[str, Any]:
         """Counters for benchmarks (read while idle for consistent figures)."""
         c, f, s = self.cache.stats, self.fetcher.stats, self.scheduler.stats
@@ -193,7 +204,7 @@ class MoEEngine(InboxEngine):
                 # wall time the disk had nothing to read, by what the scheduler was doing then
                 "disk_idle_s": self.fetcher.idle_by_phase(),
                 "wait_s": s.wait_s, "passes": s.passes, "groups": s.groups,
-                "two_wave_passes": s.two_wave_passes,
+                "two_wave_passes": s.two_wave_passes, "kv_kept_tokens": self.model.kv.kept_tokens,
                 "mean_batch": s.batch_rows / s.batches if s.batches else 0.0,
                 "mean_group": float(np.mean(s.group_sizes)) if s.group_sizes else 0.0}
 
@@ -240,12 +251,13 @@ class MoEEngine(InboxEngine):
             return
         gen.t_start = time.perf_counter()
         try:  # a KV slot per request: admission never exceeds them, so this failing is a bug, reported
-            self.scheduler.add(Seq(gen.request_id, self._on_logits, self._on_error, list(ids),
-                                   chunk=self.config.prefill_chunk))
+            seq = Seq(gen.request_id, self._on_logits, self._on_error, list(ids), chunk=self.config.prefill_chunk)
+            self.scheduler.add(seq)
         except RuntimeError as e:
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
                                   error_code=error_code_of(e), usage=Usage(0, 0)))
             return
+        gen.cached = gen.prefilled = seq.state.past  # its KV slot held them from an earlier answer
         self._gens[gen.request_id] = gen
 
     def _on_logits(self, seq: Seq, logits: torch.Tensor) -> list[int] | None:

@@ -26,13 +26,16 @@ as transformers computes it. KV is 16-bit by default. Inference only.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from engine.moe.store import REST_FILE, StoreIndex
+from engine.runtime.prompt_cache import best_reuse
 from engine.runtime.stored import StoredEmbedding, StoredLinear, TensorFile, linear
 
 
@@ -43,6 +46,8 @@ class SeqState:
     slot: int  # its row in the KV pool
     past: int = 0  # tokens already in its KV cache
     n: int = 0  # tokens in the current pass
+    held: list[int] = field(default_factory=list)  # the ids of those past tokens, in order (prompt caching)
+    ids: list[int] = field(default_factory=list)  # the ids of the current pass
 
 
 @dataclass(eq=False)
@@ -86,15 +91,24 @@ class KVPool:
     reserved up front for `slots` concurrent requests of `capacity` positions each (a
     request owns one slot; the engine admits no more than `slots`). 16-bit by default
     (float16: the KV llama.cpp keeps); tests comparing with transformers ask float32.
-    The tensors are zero pages until written, so RAM fills as contexts do."""
+    The tensors are zero pages until written, so RAM fills as contexts do.
+
+    Prompt caching: a slot given back keeps its KV and the ids it holds (`keep`). A new
+    request takes the free slot sharing the longest prefix with its prompt
+    (engine/runtime/prompt_cache.py, the local engine's rule) and prefills only the rest;
+    otherwise an empty slot, else the one given back longest ago. Kept KV lives in slots
+    no request runs in, so caching costs nothing past the reserve."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int = 4, capacity: int = 4096,
-                 dtype: torch.dtype = torch.float16) -> None:
+                 dtype: torch.dtype = torch.float16, keep: bool = True) -> None:
         self.layers, self.kvh, self.d = layers, kv_heads, head_dim
         self.slots, self.cap, self.dtype = slots, capacity, dtype
         self.k = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
-        self._free = list(range(slots))[::-1]
+        self._free = list(range(slots))  # given back longest ago first
+        self._held: dict[int, list[int]] = {}  # free slot -> the ids its KV holds
+        self.keep = keep
+        self._lock = threading.Lock()  # set_keep comes from other threads than the scheduler's
 
     @staticmethod
     def reserve_bytes(layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int,
@@ -106,13 +120,36 @@ class KVPool:
     def nbytes(self) -> int:
         return self.reserve_bytes(self.layers, self.kvh, self.d, self.slots, self.cap, self.dtype)
 
-    def take(self) -> int:
-        if not self._free:
-            raise RuntimeError(f"every one of the {self.slots} KV slots is taken")
-        return self._free.pop()
+    def take(self, prompt_ids: Sequence[int] = ()) -> tuple[int, int]:
+        """(a free slot for a request with this prompt, how many of its first ids the slot's KV holds)."""
+        with self._lock:
+            if not self._free:
+                raise RuntimeError(f"every one of the {self.slots} KV slots is taken")
+            best, reuse = best_reuse([self._held.get(s, ()) for s in self._free], prompt_ids)
+            if best is None:
+                best = next((i for i, s in enumerate(self._free) if s not in self._held), 0)
+            slot = self._free.pop(best)
+            self._held.pop(slot, None)
+            return slot, reuse
 
-    def give(self, slot: int) -> None:
-        self._free.append(slot)
+    def give(self, slot: int, held: Sequence[int] = ()) -> None:
+        """The slot is free again; its KV holds `held` (kept for a later prompt while `keep`)."""
+        with self._lock:
+            self._free.append(slot)
+            if self.keep and held:
+                self._held[slot] = list(held)
+
+    def set_keep(self, keep: bool) -> None:
+        with self._lock:
+            self.keep = keep
+            if not keep:
+                self._held.clear()
+
+    @property
+    def kept_tokens(self) -> int:
+        """Positions the free slots keep for later prompts."""
+        with self._lock:
+            return sum(len(h) for h in self._held.values())
 
     def ensure(self, length: int) -> None:
         if length > self.cap:
@@ -183,13 +220,17 @@ class MoEModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def new_state(self) -> SeqState:
-        return SeqState(slot=self.kv.take())
+    def new_state(self, prompt_ids: Sequence[int] = ()) -> SeqState:
+        """A KV slot for a new request; its `past` ids of prompt_ids are in the slot already
+        (prompt caching: they need no prefill)."""
+        slot, reuse = self.kv.take(prompt_ids)
+        return SeqState(slot=slot, past=reuse, held=list(prompt_ids[:reuse]))
 
     def free_state(self, s: SeqState) -> None:
-        """The request is gone: its KV slot may be reused (by requests admitted later)."""
+        """The request is gone: its KV slot may be reused (by requests admitted later), and
+        what it holds by a later prompt that starts the same way."""
         if s.slot >= 0:
-            self.kv.give(s.slot)
+            self.kv.give(s.slot, s.held)
             s.slot = -1
 
     # -- steps --------------------------------------------------------------------------
@@ -199,7 +240,7 @@ class MoEModel:
         flat = [t for seq in ids for t in seq]
         pos = []
         for s, seq in zip(states, ids):
-            s.n = len(seq)
+            s.n, s.ids = len(seq), list(seq)
             pos.extend(range(s.past, s.past + s.n))
         self.kv.ensure(max(s.past + s.n for s in states))
         x = self.model.model.embed_tokens(torch.tensor(flat, dtype=torch.long))  # [N, H]
@@ -384,6 +425,7 @@ class MoEModel:
         [len(want), vocab] of the last position of the requests `want` (indexes into b)."""
         for s in b.states:
             s.past += s.n
+            s.held.extend(s.ids)
         if not want:
             return torch.empty(0)
         starts = b.starts

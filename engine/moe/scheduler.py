@@ -117,7 +117,10 @@ class Scheduler:
         self.stats = SchedStats()
 
     def add(self, seq: Seq) -> None:
-        seq.state = self.model.new_state()
+        """Take a request in: a KV slot, and of its prompt only what the slot does not hold yet
+        (prompt caching: seq.state.past ids are cached)."""
+        seq.state = self.model.new_state(seq.feed)
+        del seq.feed[:seq.state.past]
         self._owner[id(seq.state)] = seq
         self.seqs[seq.sid] = seq
 

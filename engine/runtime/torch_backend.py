@@ -5,14 +5,16 @@ users can pick it with backend="torch" (e.g. to rule out an export problem).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from engine.runtime.backend import Progress
 from engine.runtime.errors import BackendError
+from engine.runtime.prompt_cache import best_reuse
 
 PRECISIONS = {"default": "float32", "f32": "float32", "bf16": "bfloat16"}
 
@@ -24,12 +26,24 @@ class TorchConfig:
 
 
 class TorchStream:
-    def __init__(self, model) -> None:
+    """One request's DynamicCache. A stream opened on a kept cache (KeptCaches.open) holds its
+    first `cached` ids already and prefills only the rest; on close it hands its cache and
+    the ids it holds to `release` (the backend's KeptCaches), if it has one."""
+
+    def __init__(self, model, cache=None, held: Sequence[int] = (),
+                 release: Callable[[Any, list[int]], None] | None = None) -> None:
         from transformers import DynamicCache
 
         self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.past = 0  # tokens in the cache
+        self.cache = cache if cache is not None else DynamicCache(config=model.config)
+        self.fed: list[int] = list(held)  # the ids whose keys and values the cache holds, in order
+        self.cached = len(self.fed)  # of them, taken over from an earlier request (prompt caching)
+        self._release = release
+
+    @property
+    def past(self) -> int:
+        """Tokens in the cache."""
+        return len(self.fed)
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         import torch
@@ -43,14 +57,60 @@ class TorchStream:
             out = self.model(input_ids=x, attention_mask=torch.ones(1, self.past + n, dtype=torch.long),
                              position_ids=pos[None],
                              past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.past += n
+        self.fed.extend(int(t) for t in ids)
         return out.logits[0, -1].float().numpy().astype(np.float32, copy=True)  # [vocab]
 
     def decode(self, token: int) -> np.ndarray:
         return self.prefill([token])
 
     def close(self) -> None:
-        self.cache = None
+        cache, self.cache = self.cache, None
+        if cache is not None and self._release is not None:
+            self._release(cache, self.fed)
+
+
+class KeptCaches:
+    """Prompt caching for torch streams: the caches of ended streams, each with the ids it
+    holds. A new stream takes the one sharing the longest prefix with its prompt
+    (engine/runtime/prompt_cache.py, the one rule), cut back to that prefix.
+
+    Bounded by the KV reserve: at most `slots` caches exist at once, open or kept (a new
+    stream that finds no match pushes the oldest kept one out), so caching costs nothing
+    past what `slots` running requests may hold. slots 0 keeps none."""
+
+    def __init__(self, model, slots: int) -> None:
+        self.model, self.slots = model, max(0, int(slots))
+        self._kept: list[tuple[Any, list[int]]] = []  # oldest first
+        self._open = 0
+        self._lock = threading.Lock()  # streams close on the engine's thread; set_slots from any
+
+    def open(self, prompt_ids: Sequence[int] = ()) -> TorchStream:
+        with self._lock:
+            best, reuse = best_reuse([held for _c, held in self._kept], prompt_ids)
+            cache, held = self._kept.pop(best) if best is not None else (None, [])
+            self._open += 1
+            del self._kept[:max(0, len(self._kept) + self._open - self.slots)]  # room for this one
+        if cache is not None:
+            try:
+                cache.crop(reuse)
+            except ValueError:  # a sliding-window layer past its window cannot be cut back
+                cache, reuse = None, 0
+        return TorchStream(self.model, cache, held[:reuse], self._give_back)
+
+    def set_slots(self, slots: int) -> None:
+        with self._lock:
+            self.slots = max(0, int(slots))
+            del self._kept[:max(0, len(self._kept) + self._open - self.slots)]
+
+    def _give_back(self, cache: Any, fed: list[int]) -> None:
+        with self._lock:
+            self._open -= 1
+            if fed and len(self._kept) + self._open < self.slots:
+                self._kept.append((cache, list(fed)))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
 
 
 class TorchModel:

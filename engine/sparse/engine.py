@@ -6,6 +6,9 @@ SparseBackend whose streams run transformers' decoder with SparseMLPs (the
 torch backend's stream class, reused). Requests run one at a time by
 default: the neuron cache and the previous-token sets are shared, and
 interleaving requests would destroy the temporal locality the cache lives on.
+An ended answer's KV is kept for a follow-up prompt that starts the same way
+(prompt caching, torch_backend.KeptCaches), within the KV reserve of
+max_concurrent contexts.
 
     engine = SparseEngine.from_spec("demo", SparseConfig(cache_budget_bytes=...))
     engine.set_cache_budget(bytes)   # any thread, while generating; applied between layers
@@ -21,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from engine.runtime.backend import Progress
-from engine.runtime.torch_backend import TorchStream
+from engine.runtime.torch_backend import KeptCaches, TorchStream
 from engine.core.interface import Engine, EngineError
 from engine.scheduler.loop import BackendLoop
 
@@ -101,6 +104,8 @@ class SparseBackend:
                               f"set; the minimum for this model and mode is {self.min_budget / 2**20:.1f} MiB "
                               f"({self.min_budget} bytes)")
         self.kv_reserve_bytes = kv_reserve_bytes(self.model.config, context_length, max_concurrent)
+        self.max_concurrent = max_concurrent
+        self.kept = KeptCaches(self.model, max_concurrent)  # prompt caching, within the KV reserve
         self.working_bytes = working_bytes(self.model.config, context_length,
                                            layer_rows_bytes=layout.neurons * row_bytes)
         try:  # the same rule as the MoE engine: decided now that the resident weights are in
@@ -128,9 +133,15 @@ class SparseBackend:
             self.rt.cache.tick += 1
             self.rt.cache.insert(l, ids, self.rt.store.read(l, ids))
 
-    def new_stream(self, prompt_ids: Sequence[int] = ()) -> TorchStream:  # no prompt cache
+    def new_stream(self, prompt_ids: Sequence[int] = ()) -> TorchStream:
+        """A stream for a prompt: on the kept KV of an earlier answer sharing its start, if any."""
         self.rt.forget_sequence()
-        return TorchStream(self.model)
+        return self.kept.open(prompt_ids)
+
+    def set_prompt_cache(self, streams: int) -> None:
+        """Prompt caching on (streams > 0) or off. Kept KV counts as one of the max_concurrent
+        contexts of the KV reserve, so its size is bounded by the reserve, not by `streams`."""
+        self.kept.set_slots(self.max_concurrent if streams > 0 else 0)
 
     def fixed_bytes(self) -> int:
         """FFN-side RAM besides the cache: predictors, and the gates in exact mode."""
@@ -140,6 +151,7 @@ class SparseBackend:
         if self.rt is not None:
             self.rt.close()
         self.rt = None
+        self.kept.clear()
         self.model = None
 
 

@@ -78,3 +78,37 @@ def check_follow_up_answers_as_uncached(engine, ask, first, chunk: int) -> None:
         engine.set_prompt_cache(engine.config.prompt_cache)
     assert end3.usage.cached_tokens == 0
     assert ids2 == ids3
+
+
+WATER = ("system", "You answer questions about the water of the world. " * 12)  # several chunks' worth
+
+
+def ask_chat(engine, rid: str, messages, n: int = 12):
+    """collect() of a greedy chat request of n tokens."""
+    from engine.protocol.messages import GenerateRequest, SamplingParams
+
+    req = GenerateRequest(rid, messages=messages, sampling=SamplingParams(max_tokens=n))
+    return collect(engine.stream(engine.submit(req), timeout=300))
+
+
+def check_follow_up_prefills_only_what_is_new(engine, ref_path: Path) -> None:
+    """A two-turn chat on an engine that keeps KV to the token: turn 2 takes over turn 1's
+    prompt and answer (all but the answer's last id, never fed back), prefills the rest,
+    and answers what transformers answers from the whole prompt (greedy); with the cache
+    off the same turn is prefilled in full and answered the same."""
+    from engine.runtime.chat import chat_ids
+
+    first = chat(WATER, ("user", "Tell me about rivers."))
+    _ids1, text1, end1 = ask_chat(engine, "t1", first)
+    assert end1.usage.cached_tokens == 0
+    second = first + chat(("assistant", text1), ("user", "And lakes?"))
+    ids2, _, end2 = ask_chat(engine, "t2", second)
+    assert end1.usage.prompt_tokens <= end2.usage.cached_tokens < end2.usage.prompt_tokens
+    prompt = chat_ids(engine.tokenizer, second)
+    assert ids2 == reference_greedy(ref_path, prompt, len(ids2))[:len(ids2)]
+    engine.set_prompt_cache(0)
+    try:
+        ids3, _, end3 = ask_chat(engine, "t3", second)
+    finally:
+        engine.set_prompt_cache(1)
+    assert end3.usage.cached_tokens == 0 and ids3 == ids2

@@ -1,4 +1,5 @@
-"""`flotilla bench prompt-cache` at a tiny size: every figure is there and consistent.
+"""`flotilla bench prompt-cache` at a tiny size, on every engine it runs: every figure is there
+and consistent.
 No speed assertions: the real figures come from running the benchmark. Exact f32 math and
 KV, so "the cached answer is the uncached one" does not hang on a CPU's bf16 rounding."""
 
@@ -12,12 +13,13 @@ import pytest
 from engine.bench import prompt_cache
 
 
-@pytest.mark.parametrize("engine", ["local", "pipeline"])
-def test_prompt_cache_bench_reports_consistent_figures(engine):
+@pytest.mark.parametrize("engine,model", [("local", "random-llama-tiny"), ("pipeline", "random-llama-tiny"),
+                                          ("moe", "demo-moe"), ("sparse", "demo")])
+def test_prompt_cache_bench_reports_consistent_figures(engine, model):
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     prompt_cache.add_arguments(p)
-    args = p.parse_args(["--quick", "--model", "random-llama-tiny", "--history", "300", "--answer", "6",
+    args = p.parse_args(["--quick", "--model", model, "--history", "300", "--answer", "6",
                          "--rounds", "2", "--engine", engine, "--precision", "f32"])
     out = prompt_cache.run(args, lambda _line: None)
     json.dumps(out, allow_nan=False)
@@ -32,6 +34,8 @@ def test_prompt_cache_bench_reports_consistent_figures(engine):
         assert row["history_tokens"] - grain < row["turn2_cached_tokens"] < row["turn2_prompt_tokens"]
         assert row["turn2_over_turn1"] == round(row["turn2_ttft_s"] / row["turn1_ttft_s"], 4)
     assert out["goal"]["identical"] is True and out["passed"] == all(out["goal"].values())
+    if engine in ("moe", "sparse"):  # they read weights from a store while they run: its read mode is recorded
+        assert out["io"]["requested"] in ("o_direct", "buffered") and out["io"]["effective"]
 
 
 def test_first_difference_names_where_two_answers_part():
