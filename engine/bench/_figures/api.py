@@ -52,6 +52,28 @@ PPX = "prompt-cache-pipeline-exact"
 PPXHOW = ("`flotilla bench prompt-cache --engine pipeline --exact-cache` (the same, default compute precision, "
           "whole prefill chunks reused, f16 KV cache on the stages)")
 
+PM = "prompt-cache-moe"
+PMHOW = ("`flotilla bench prompt-cache --engine moe` (the MoE engine on Qwen3-30B-A3B's shapes, 4 layers, random "
+         "weights, bf16; experts read with O_DIRECT into a 1 GB expert cache; the same history; answers of 16 tokens)")
+PS = "prompt-cache-sparse"
+PSHOW = ("`flotilla bench prompt-cache --engine sparse` (the sparse engine on the 0.9 B random Llama, its default "
+         "predicted neurons at sparsity 0.8; the same history; answers of 16 tokens)")
+
+
+def _engine_rows(src: str, how: str, words: str) -> tuple[Row, ...]:
+    """The MoE or sparse engine's rows: what was taken over, the times, and whether the answer is unique."""
+    return (
+        Row(f"{words}: turn 2's `cached_tokens`; time to first token, turn 1 / turn 2 cached / turn 2 uncached",
+            "{%s:turn2_cached_tokens|int}; {%s:turn1_ttft_s|f2} s / {%s:turn2_ttft_s|f2} s / "
+            "{%s:turn2_uncached_ttft_s|f2} s" % (src, src, src, src), how),
+        Row(f"{words}: turn 2 cached over turn 1 (goal ≤ 0.3×); over turn 2 uncached",
+            "{%s:turn2_over_turn1|x}; {%s:cached_over_uncached|x}" % (src, src), how),
+        Row(f"{words}: rounds (of 3 a run) whose cached answer is the uncached one; the control: rounds whose "
+            "uncached answer stays the same with prefill chunks of half the size",
+            "{%s:identical_rounds|int}; {%s:other_split_identical_rounds|int}" % (src, src), how),
+    )
+
+
 PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long history", "measured", "how"), (
     Row("history (turn 1's prompt) / turn 2's prompt", "{%s:rounds.0.history_tokens|int} / "
         "{%s:rounds.0.turn2_prompt_tokens|int} tokens (first round)" % (P, P), PHOW),
@@ -82,6 +104,8 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
         "`cached_tokens`; turn 2 cached over turn 1",
         "{%s:identical_rounds|int} of {%s:round_count|int}; {%s:turn2_cached_tokens|int}; {%s:turn2_over_turn1|x}"
         % (PPX, PPX, PPX, PPX), PPXHOW),
+    *_engine_rows(PM, PMHOW, "MoE engine"),
+    *_engine_rows(PS, PSHOW, "sparse engine"),
 ))
 
 S = "serve"

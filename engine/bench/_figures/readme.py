@@ -30,6 +30,13 @@ README_MEASURED = Table("readme-measured", ("what", "figure", "how"), (
         "{serve:figures.batched.levels.2.ttft_p50_s|f2} s; openvino_genai's LLMPipeline (one request at a time) "
         "{serve:figures.llm-pipeline.levels.2.aggregate_tok_s|f1} tok/s",
         "`flotilla bench serve`"),
+    Row("prompt caching on the MoE engine (Qwen3-30B-A3B's shapes, 4 layers, experts read from disk) and the "
+        "sparse engine (0.9 B random Llama), the same history",
+        "time to first token, turn 1 → turn 2: MoE {prompt-cache-moe:turn1_ttft_s|f1} s → "
+        "{prompt-cache-moe:turn2_ttft_s|f2} s ({prompt-cache-moe:turn2_over_turn1|x}), sparse "
+        "{prompt-cache-sparse:turn1_ttft_s|f1} s → {prompt-cache-sparse:turn2_ttft_s|f2} s "
+        "({prompt-cache-sparse:turn2_over_turn1|x})",
+        "`flotilla bench prompt-cache --engine moe` / `--engine sparse`"),
     Row("prompt caching across a 2-stage pipeline (the same model and history)",
         "{prompt-cache-pipeline:turn2_cached_tokens|int} tokens not prefilled again; time to first token "
         "{prompt-cache-pipeline:turn1_ttft_s|f1} s → {prompt-cache-pipeline:turn2_ttft_s|f1} s "
