@@ -48,8 +48,8 @@ MOE_SHAPE = "qwen3-30b-a3b"  # --engine moe's default model: this published shap
 MOE_BUDGET_MB = 1000  # of the 4 layers' 4.8 GB of experts
 
 NAME = "prompt-cache"
-HELP = ("prompt caching on the local engine or a 2-stage pipeline: a 2 000-token chat's second turn, "
-        "TTFT with and without the cache")
+HELP = ("prompt caching on the local engine, a 2-stage pipeline, the MoE or the sparse engine: a 2 000-token "
+        "chat's second turn, TTFT with and without the cache")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -76,7 +76,7 @@ class BackendLoop(TurnEngine):
 
     def set_prompt_cache(self, streams: int) -> None:
         """Keep at most this many finished streams' KV for follow-up prompts (0: none);
-        a backend without a prompt cache (torch, sparse) has nothing to set."""
+        a backend without a prompt cache (the torch reference) has nothing to set."""
         setter = getattr(self.backend, "set_prompt_cache", None)
         if setter is not None:
             setter(streams)
