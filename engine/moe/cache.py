@@ -45,9 +45,8 @@ class CacheStats:
     demands: int = 0  # routing decisions counted (request, layer, expert)
     hits: int = 0  # of those, resident when routed
     evictions: int = 0  # experts dropped to make room
-    inserts: int = 0  # experts loaded into slots
-    unasked: int = 0  # of those, loaded on a guess (nobody waited for them)
-    unasked_unused: int = 0  # of those, evicted before any request used them (bytes read in vain)
+    inserts: int = 0  # experts loaded into slots (how many on a guess: the fetcher's FetchStats.speculative)
+    unasked_unused: int = 0  # of those loaded on a guess, evicted before any request used them (read in vain)
 
     @property
     def hit_rate(self) -> float:
@@ -247,7 +246,6 @@ class ExpertCache:
             self.stats.inserts += 1
             if guess:  # used once a request pins it
                 self._unused.add(key)
-                self.stats.unasked += 1
             self._cond.notify_all()
 
     def release(self, slot: int) -> None:

@@ -106,7 +106,7 @@ def test_a_guess_evicted_before_any_request_used_it_is_counted(moe_model):
     cache.demand(used)  # the used one is the hotter: the unused guess goes first
     slot = cache.reserve(timeout=0)
     assert not cache.resident(wasted) and cache.resident(used)
-    assert cache.stats.unasked == 2 and cache.stats.unasked_unused == 1 and cache.guessed_unused() == 1
+    assert cache.stats.inserts == 2 and cache.stats.unasked_unused == 1 and cache.guessed_unused() == 1
     cache.release(slot)
 
 
