@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.moe.store import REST_FILE, StoreIndex
-from engine.runtime.prompt_cache import best_reuse
+from engine.runtime.prompt_cache import KeptStates
 from engine.runtime.stored import StoredEmbedding, StoredLinear, TensorFile, linear
 
 
@@ -44,10 +44,18 @@ class SeqState:
     """One request's place in the model (owned by the scheduler thread)."""
 
     slot: int  # its row in the KV pool
-    past: int = 0  # tokens already in its KV cache
-    n: int = 0  # tokens in the current pass
-    held: list[int] = field(default_factory=list)  # the ids of those past tokens, in order (prompt caching)
+    held: list[int] = field(default_factory=list)  # the ids its KV cache holds, in order (prompt caching)
     ids: list[int] = field(default_factory=list)  # the ids of the current pass
+
+    @property
+    def past(self) -> int:
+        """Tokens already in its KV cache."""
+        return len(self.held)
+
+    @property
+    def n(self) -> int:
+        """Tokens in the current pass."""
+        return len(self.ids)
 
 
 @dataclass(eq=False)
@@ -105,8 +113,8 @@ class KVPool:
         self.slots, self.cap, self.dtype = slots, capacity, dtype
         self.k = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(slots, kv_heads, capacity, head_dim, dtype=dtype) for _ in range(layers)]
-        self._free = list(range(slots))  # given back longest ago first
-        self._held: dict[int, list[int]] = {}  # free slot -> the ids its KV holds
+        self._empty = list(range(slots))  # free slots keeping nothing, given back longest ago first
+        self._kept: KeptStates[int] = KeptStates()  # free slots whose KV is kept, with the ids it holds
         self.keep = keep
         self._lock = threading.Lock()  # set_keep comes from other threads than the scheduler's
 
@@ -123,33 +131,34 @@ class KVPool:
     def take(self, prompt_ids: Sequence[int] = ()) -> tuple[int, int]:
         """(a free slot for a request with this prompt, how many of its first ids the slot's KV holds)."""
         with self._lock:
-            if not self._free:
-                raise RuntimeError(f"every one of the {self.slots} KV slots is taken")
-            best, reuse = best_reuse([self._held.get(s, ()) for s in self._free], prompt_ids)
-            if best is None:
-                best = next((i for i, s in enumerate(self._free) if s not in self._held), 0)
-            slot = self._free.pop(best)
-            self._held.pop(slot, None)
-            return slot, reuse
+            found = self._kept.take(prompt_ids)
+            if found is not None:
+                return found[0], found[2]
+            if self._empty:
+                return self._empty.pop(0), 0
+            if self._kept:
+                return self._kept.pop()[0], 0
+            raise RuntimeError(f"every one of the {self.slots} KV slots is taken")
 
     def give(self, slot: int, held: Sequence[int] = ()) -> None:
         """The slot is free again; its KV holds `held` (kept for a later prompt while `keep`)."""
         with self._lock:
-            self._free.append(slot)
             if self.keep and held:
-                self._held[slot] = list(held)
+                self._kept.keep(slot, held)
+            else:
+                self._empty.append(slot)
 
     def set_keep(self, keep: bool) -> None:
         with self._lock:
             self.keep = keep
             if not keep:
-                self._held.clear()
+                self._empty += self._kept.drop(len(self._kept))
 
     @property
     def kept_tokens(self) -> int:
         """Positions the free slots keep for later prompts."""
         with self._lock:
-            return sum(len(h) for h in self._held.values())
+            return self._kept.tokens
 
     def ensure(self, length: int) -> None:
         if length > self.cap:
@@ -224,7 +233,7 @@ class MoEModel:
         """A KV slot for a new request; its `past` ids of prompt_ids are in the slot already
         (prompt caching: they need no prefill)."""
         slot, reuse = self.kv.take(prompt_ids)
-        return SeqState(slot=slot, past=reuse, held=list(prompt_ids[:reuse]))
+        return SeqState(slot=slot, held=list(prompt_ids[:reuse]))
 
     def free_state(self, s: SeqState) -> None:
         """The request is gone: its KV slot may be reused (by requests admitted later), and
@@ -240,7 +249,7 @@ class MoEModel:
         flat = [t for seq in ids for t in seq]
         pos = []
         for s, seq in zip(states, ids):
-            s.n, s.ids = len(seq), list(seq)
+            s.ids = list(seq)
             pos.extend(range(s.past, s.past + s.n))
         self.kv.ensure(max(s.past + s.n for s in states))
         x = self.model.model.embed_tokens(torch.tensor(flat, dtype=torch.long))  # [N, H]
@@ -424,7 +433,6 @@ class MoEModel:
         """Close the pass of every request in b (its tokens join its past); logits
         [len(want), vocab] of the last position of the requests `want` (indexes into b)."""
         for s in b.states:
-            s.past += s.n
             s.held.extend(s.ids)
         if not want:
             return torch.empty(0)

@@ -46,7 +46,7 @@ from engine.runtime.errors import BackendError
 from engine.runtime.ov_compile import VIRTUAL_DEVICES, CompileConfigError
 from engine.runtime.ov_compile import compile_config as device_compile_config
 from engine.runtime.ov_logits import LOGITS_TO_KEEP, add_logits_to_keep
-from engine.runtime.prompt_cache import best_reuse
+from engine.runtime.prompt_cache import KeptStates
 from engine.runtime.ov_weights import WeightsError, checkpoint_dtype, compress_ir, export_arguments, resolve_weights
 
 IR_NAME = "openvino_model.xml"
@@ -304,7 +304,7 @@ class OVModel:
             raise BackendError(f"{self.model_dir} is not a causal-LM IR (needs input_ids -> logits)")
         self.chunk = config.prefill_chunk
         self.pool_size = config.idle_requests
-        self._idle: list[Any] = []  # InferRequests of closed streams, reused by new ones
+        self._idle: KeptStates[Any] = KeptStates()  # InferRequests of closed streams, reused by new ones
         self._lock = threading.Lock()
         report("model ready", 1.0)
 
@@ -314,28 +314,31 @@ class OVModel:
         request whose KV state shares the longest prefix with prompt_ids keeps that
         prefix (engine/runtime/prompt_cache.py); otherwise an idle request is reset."""
         with self._lock:
-            best, reuse = best_reuse([held for _req, held in self._idle], prompt_ids)
-            if best is None and self._idle:
-                best = len(self._idle) - 1  # the newest idle request, reset
-            req, held = self._idle.pop(best) if best is not None else (None, [])
+            found = self._idle.take(prompt_ids)
+            if found is not None:
+                req, held, reuse = found
+            elif self._idle:
+                (req, held), reuse = self._idle.pop(newest=True), 0  # the newest idle request, reset
+            else:
+                req, held, reuse = None, [], 0
         return OVStream(self._compiled, self.input_names, self.chunk, req, self._give_back, reuse, held)
 
     def set_prompt_cache(self, requests: int) -> None:
         """Keep at most this many idle requests (and their KV) from now on; 0 keeps none."""
         with self._lock:
             self.pool_size = max(0, int(requests))
-            del self._idle[:max(0, len(self._idle) - self.pool_size)]
+            self._idle.drop(len(self._idle) - self.pool_size)
 
     def _give_back(self, req: Any, fed: list[int]) -> None:
         """Keep a finished stream's request, and what its KV state holds, for later
         streams; the oldest goes when the pool is full (pool_size bounds the memory)."""
         with self._lock:
             if self._compiled is not None and self.pool_size > 0:
-                self._idle.append((req, list(fed)))
-                del self._idle[:-self.pool_size]
+                self._idle.keep(req, fed)
+                self._idle.drop(len(self._idle) - self.pool_size)
 
     def close(self) -> None:
         with self._lock:
-            self._idle.clear()
+            self._idle.drop(len(self._idle))
             self.compiled = None
             self._compiled = None

@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.runtime.backend import Progress
 from engine.runtime.errors import BackendError
-from engine.runtime.prompt_cache import best_reuse
+from engine.runtime.prompt_cache import KeptStates
 
 PRECISIONS = {"default": "float32", "f32": "float32", "bf16": "bfloat16"}
 
@@ -71,25 +71,25 @@ class TorchStream:
 
 class KeptCaches:
     """Prompt caching for torch streams: the caches of ended streams, each with the ids it
-    holds. A new stream takes the one sharing the longest prefix with its prompt
-    (engine/runtime/prompt_cache.py, the one rule), cut back to that prefix.
+    holds (prompt_cache.KeptStates). A new stream takes the one sharing the longest prefix
+    with its prompt, cut back to that prefix.
 
     Bounded by the KV reserve: at most `slots` caches exist at once, open or kept (a new
     stream that finds no match pushes the oldest kept one out), so caching costs nothing
-    past what `slots` running requests may hold. slots 0 keeps none."""
+    past what `slots` running requests may hold. set_keep(False) keeps none."""
 
     def __init__(self, model, slots: int) -> None:
-        self.model, self.slots = model, max(0, int(slots))
-        self._kept: list[tuple[Any, list[int]]] = []  # oldest first
+        self.model, self.slots, self.keep = model, max(0, int(slots)), True
+        self._kept: KeptStates[Any] = KeptStates()
         self._open = 0
-        self._lock = threading.Lock()  # streams close on the engine's thread; set_slots from any
+        self._lock = threading.Lock()  # streams close on the engine's thread; set_keep from any
 
     def open(self, prompt_ids: Sequence[int] = ()) -> TorchStream:
         with self._lock:
-            best, reuse = best_reuse([held for _c, held in self._kept], prompt_ids)
-            cache, held = self._kept.pop(best) if best is not None else (None, [])
+            found = self._kept.take(prompt_ids)
             self._open += 1
-            del self._kept[:max(0, len(self._kept) + self._open - self.slots)]  # room for this one
+            self._kept.drop(len(self._kept) + self._open - self.slots)  # room for this one
+        cache, held, reuse = found if found is not None else (None, [], 0)
         if cache is not None:
             try:
                 cache.crop(reuse)
@@ -97,20 +97,18 @@ class KeptCaches:
                 cache, reuse = None, 0
         return TorchStream(self.model, cache, held[:reuse], self._give_back)
 
-    def set_slots(self, slots: int) -> None:
+    def set_keep(self, keep: bool) -> None:
+        """Keep ended streams' caches from now on, or (False) none: the kept ones go now."""
         with self._lock:
-            self.slots = max(0, int(slots))
-            del self._kept[:max(0, len(self._kept) + self._open - self.slots)]
+            self.keep = keep
+            if not keep:
+                self._kept.drop(len(self._kept))
 
     def _give_back(self, cache: Any, fed: list[int]) -> None:
         with self._lock:
             self._open -= 1
-            if fed and len(self._kept) + self._open < self.slots:
-                self._kept.append((cache, list(fed)))
-
-    def clear(self) -> None:
-        with self._lock:
-            self._kept.clear()
+            if self.keep and fed and len(self._kept) + self._open < self.slots:
+                self._kept.keep(cache, fed)
 
 
 class TorchModel:

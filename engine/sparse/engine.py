@@ -104,7 +104,6 @@ class SparseBackend:
                               f"set; the minimum for this model and mode is {self.min_budget / 2**20:.1f} MiB "
                               f"({self.min_budget} bytes)")
         self.kv_reserve_bytes = kv_reserve_bytes(self.model.config, context_length, max_concurrent)
-        self.max_concurrent = max_concurrent
         self.kept = KeptCaches(self.model, max_concurrent)  # prompt caching, within the KV reserve
         self.working_bytes = working_bytes(self.model.config, context_length,
                                            layer_rows_bytes=layout.neurons * row_bytes)
@@ -141,7 +140,7 @@ class SparseBackend:
     def set_prompt_cache(self, streams: int) -> None:
         """Prompt caching on (streams > 0) or off. Kept KV counts as one of the max_concurrent
         contexts of the KV reserve, so its size is bounded by the reserve, not by `streams`."""
-        self.kept.set_slots(self.max_concurrent if streams > 0 else 0)
+        self.kept.set_keep(streams > 0)
 
     def fixed_bytes(self) -> int:
         """FFN-side RAM besides the cache: predictors, and the gates in exact mode."""
@@ -151,7 +150,7 @@ class SparseBackend:
         if self.rt is not None:
             self.rt.close()
         self.rt = None
-        self.kept.clear()
+        self.kept.set_keep(False)
         self.model = None
 
 

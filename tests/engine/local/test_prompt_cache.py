@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import openai
 import pytest
-from engine_helpers import chat, collect, reference_greedy
+from engine_helpers import WATER, ask_chat, chat, reference_greedy
 
-from engine.protocol import GenerateRequest, SamplingParams
 from engine.runtime.chat import chat_ids
 from engine.runtime.prompt_cache import MIN_REUSE
 from engine.serve.api import ApiServer, create_app
 
-SYSTEM = ("system", "You answer questions about the water of the world. " * 12)
 N = 12
 
 
@@ -35,22 +33,17 @@ def _whole(engine, n: int) -> int:
     return n - n % grain
 
 
-def _ask(engine, rid: str, messages, n: int = N):
-    req = GenerateRequest(rid, messages=messages, sampling=SamplingParams(max_tokens=n))
-    return collect(engine.stream(engine.submit(req), timeout=120))
-
-
 def _check_against_transformers(engine, demo_dir, messages, got: list[int]) -> None:
     ids = chat_ids(engine.tokenizer, messages)
     assert got == reference_greedy(demo_dir("demo"), ids, len(got))[:len(got)]
 
 
 def test_a_follow_up_turn_prefills_only_what_is_new(engine, demo_dir):
-    first = chat(SYSTEM, ("user", "Tell me about rivers."))
-    ids1, text1, end1 = _ask(engine, "t1", first)
+    first = chat(WATER, ("user", "Tell me about rivers."))
+    ids1, text1, end1 = ask_chat(engine, "t1", first)
     assert end1.usage.cached_tokens == 0
     second = first + chat(("assistant", text1), ("user", "And lakes?"))
-    ids2, _, end2 = _ask(engine, "t2", second)
+    ids2, _, end2 = ask_chat(engine, "t2", second)
     # the first prompt and the answer's tokens but its last (never fed back) are reused
     assert end2.usage.cached_tokens >= _whole(engine, end1.usage.prompt_tokens) > 0
     assert end2.usage.cached_tokens < end2.usage.prompt_tokens
@@ -58,19 +51,19 @@ def test_a_follow_up_turn_prefills_only_what_is_new(engine, demo_dir):
 
 
 def test_an_edited_last_turn_keeps_the_shared_part_only(engine, demo_dir):
-    base = chat(SYSTEM, ("user", "Tell me about the sea."))
-    _ask(engine, "e1", base)
-    edited = chat(SYSTEM, ("user", "Tell me about the moon instead."))
-    ids, _, end = _ask(engine, "e2", edited)
-    shared = len(chat_ids(engine.tokenizer, chat(SYSTEM)))  # at least the system turn is shared
+    base = chat(WATER, ("user", "Tell me about the sea."))
+    ask_chat(engine, "e1", base)
+    edited = chat(WATER, ("user", "Tell me about the moon instead."))
+    ids, _, end = ask_chat(engine, "e2", edited)
+    shared = len(chat_ids(engine.tokenizer, chat(WATER)))  # at least the system turn is shared
     assert 0 < _whole(engine, shared) <= end.usage.cached_tokens < len(chat_ids(engine.tokenizer, base))
     _check_against_transformers(engine, demo_dir, edited, ids)
 
 
 def test_the_same_prompt_again_is_answered_the_same(engine):
-    msgs = chat(SYSTEM, ("user", "Name a river."))
-    ids1, _, _ = _ask(engine, "s1", msgs)
-    ids2, _, end = _ask(engine, "s2", msgs)
+    msgs = chat(WATER, ("user", "Name a river."))
+    ids1, _, _ = ask_chat(engine, "s1", msgs)
+    ids2, _, end = ask_chat(engine, "s2", msgs)
     # all but the last id (it must run for the next token's logits), in whole blocks on the paged engine
     assert ids1 == ids2 and end.usage.cached_tokens == _whole(engine, end.usage.prompt_tokens - 1)
 
@@ -81,13 +74,13 @@ def test_the_loops_cache_is_bounded_and_the_oldest_goes():
     from engine.scheduler.loop import LocalEngine
 
     with LocalEngine.from_spec("demo", precision="f32") as engine:
-        convs = [chat(SYSTEM, ("user", f"Question number {i} about water, please.")) for i in range(3)]
-        ends = [_ask(engine, f"b{i}", c)[2] for i, c in enumerate(convs)]
+        convs = [chat(WATER, ("user", f"Question number {i} about water, please.")) for i in range(3)]
+        ends = [ask_chat(engine, f"b{i}", c)[2] for i, c in enumerate(convs)]
         assert engine.backend.pool_size == 2
-        again = [_ask(engine, f"b{i}x", convs[i])[2] for i in (2, 0)]
+        again = [ask_chat(engine, f"b{i}x", convs[i])[2] for i in (2, 0)]
     assert again[0].usage.cached_tokens > ends[2].usage.prompt_tokens // 2  # kept
     # the first conversation was evicted: only the shared system turn can come from elsewhere
-    assert again[1].usage.cached_tokens <= len(chat_ids(engine.tokenizer, chat(SYSTEM))) + MIN_REUSE
+    assert again[1].usage.cached_tokens <= len(chat_ids(engine.tokenizer, chat(WATER))) + MIN_REUSE
 
 
 def test_the_paged_cache_is_the_pool_and_the_oldest_blocks_go(demo_dir):
@@ -96,10 +89,10 @@ def test_the_paged_cache_is_the_pool_and_the_oldest_blocks_go(demo_dir):
     from engine.local.paged import PagedEngine
 
     with PagedEngine(demo_dir("demo"), "demo", precision="f32", max_blocks=12) as engine:
-        convs = [chat(("system", f"Rule {i}. " + SYSTEM[1]), ("user", "Tell me.")) for i in range(3)]
-        ends = [_ask(engine, f"p{i}", c)[2] for i, c in enumerate(convs)]
+        convs = [chat(("system", f"Rule {i}. " + WATER[1]), ("user", "Tell me.")) for i in range(3)]
+        ends = [ask_chat(engine, f"p{i}", c)[2] for i, c in enumerate(convs)]
         assert engine.pool.blocks_for(ends[0].usage.prompt_tokens + N) * 3 > 12  # three do not fit
-        again = [_ask(engine, f"p{i}x", convs[i])[2] for i in (2, 0)]
+        again = [ask_chat(engine, f"p{i}x", convs[i])[2] for i in (2, 0)]
     assert again[0].usage.cached_tokens == _whole(engine, ends[2].usage.prompt_tokens - 1) > 0  # kept
     assert again[1].usage.cached_tokens == 0  # evicted (its system turn differs from the first token on)
 
@@ -108,7 +101,7 @@ def test_the_api_reports_cached_tokens(engine):
     srv = ApiServer(create_app(engine)).start()
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
-        msgs = [{"role": SYSTEM[0], "content": SYSTEM[1]}, {"role": "user", "content": "Why is the sea salty?"}]
+        msgs = [{"role": WATER[0], "content": WATER[1]}, {"role": "user", "content": "Why is the sea salty?"}]
         a = client.chat.completions.create(model="demo", messages=msgs, max_tokens=8, temperature=0)
         msgs += [{"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "Why?"}]
         b = client.chat.completions.create(model="demo", messages=msgs, max_tokens=8, temperature=0)

@@ -1,11 +1,11 @@
-"""The one rule of prompt caching (engine/runtime/prompt_cache.py), and the pipeline's parked
-streams built on it (engine/pipeline/prompt_cache.py): which kept state a prompt starts
+"""The one rule of prompt caching (engine/runtime/prompt_cache.py), the kept states the
+engines hold it over, and the pipeline's parked streams built on it (engine/pipeline/prompt_cache.py): which kept state a prompt starts
 from, how much of it, and -- with a chunk grid -- only whole chunks computed on that grid."""
 
 from __future__ import annotations
 
 from engine.pipeline.prompt_cache import Parked, ParkedStreams
-from engine.runtime.prompt_cache import MIN_REUSE, best_reuse, common_prefix
+from engine.runtime.prompt_cache import MIN_REUSE, KeptStates, best_reuse, common_prefix
 
 
 def test_common_prefix_counts_leading_equal_ids():
@@ -60,3 +60,16 @@ def test_parking_over_capacity_frees_the_oldest():
     assert parked.park(Parked("b", 1, 20, tuple(range(20)))) == ["a"]
     assert ParkedStreams(capacity=0).park(Parked("c", 1, 20, tuple(range(20)))) == ["c"]
 
+
+
+def test_kept_states_hand_over_the_best_match_and_drop_the_oldest_first():
+    kept: KeptStates[str] = KeptStates()
+    kept.keep("a", range(40))
+    kept.keep("b", range(100))
+    kept.keep("c", [9] * 30)
+    assert kept.tokens == 170
+    assert kept.take(list(range(60))) == ("b", list(range(100)), 59)  # out of the container
+    assert kept.take([1, 2, 3]) is None and len(kept) == 2
+    assert kept.pop(newest=True) == ("c", [9] * 30)
+    kept.keep("d", [])
+    assert kept.drop(1) == ["a"] and kept.drop(0) == [] and kept.drop(5) == ["d"] and len(kept) == 0
