@@ -74,10 +74,10 @@ def decode_run(backend, ids: list[int], n: int) -> dict:
             "jaccard_runtime": float((rt.stats.jaccard_sum / jn).mean()), "tokens": out}
 
 
-def dense_run(model, ids: list[int], n: int) -> dict:
+def dense_run(model, ids: list[int], n: int, kv_dtype=None) -> dict:
     from engine.runtime.torch_backend import TorchStream
 
-    stream = TorchStream(model)
+    stream = TorchStream(model, kv_dtype=kv_dtype)
     logits = stream.prefill(ids)
     times, out = [], []
     for _ in range(n):

@@ -28,7 +28,7 @@ the answer's one-token steps, then the new part; and the pipeline's take-over co
 the stages' u8 KV state, which re-quantizes it (docs/api.md). So on the pipeline each
 round also asks turn 2 uncached with prefill chunks of half the size
 (`other_split_identical`: is even the uncached answer unique?); so do the MoE and
-sparse engines' rounds (16-bit weights, and the sparse engine's predicted neurons).
+sparse engines' rounds (16-bit weights and KV, and the sparse engine's predicted neurons).
 --exact-cache turns on
 the pipeline's exact prompt cache (PipelineConfig.prompt_cache_exact: whole prefill
 chunks only, a 16-bit KV cache on the stages). Each round records
@@ -151,10 +151,10 @@ def kv_cache_precision(precision: str) -> str:
 
 
 def _torch_kv_precision(engine: Any) -> str:
-    """The KV element type of the engines that keep it in torch tensors: the MoE engine's
-    (f16, f32 in exact mode); the sparse engine's transformers cache (f32)."""
+    """The KV element type of the engines that keep it in torch tensors (f16, f32 in exact
+    mode): the MoE engine's pool, the sparse engine's transformers cache."""
     memory = getattr(engine, "memory", None)
-    return memory["kv_precision"] if memory is not None else "f32"
+    return memory["kv_precision"] if memory is not None else engine.stats()["kv_precision"]
 
 
 def _io(engine: Any) -> dict[str, Any] | None:
@@ -213,6 +213,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                                                               extra={"max_concurrent": 1} if args.engine == "moe"
                                                               else {}))
         pool = 1
+        torch_kv = _torch_kv_precision(engine)
     elif args.engine == "pipeline":
         engine = open_engine(path, "pipeline", EngineOptions(precision=precision, extra={
             "stages": 2, "max_concurrent": 2, "prompt_cache_exact": exact_cache}))
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             "identical": all(x["identical"] for x in rows)}
     return {"engine": args.engine, "model": Path(path).name, "history": history, "answer_tokens": args.answer,
             "precision": precision, "pool_size": pool,
-            "kv_cache_precision": (_torch_kv_precision(engine) if args.engine in ("moe", "sparse")
+            "kv_cache_precision": (torch_kv if args.engine in ("moe", "sparse")
                                    else EXACT_CACHE_KV if exact_cache and precision != "f32"
                                    else kv_cache_precision(precision)),
             **({"io": io} if io is not None else {}),

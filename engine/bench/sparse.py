@@ -101,6 +101,7 @@ def run(args, report) -> dict:
     from engine.bench._io_figures import io_figures, refuse_speedups, speedup_refusal
     from engine.sparse.baseline import cgroups_available, run_capped_child, run_mmap_baseline
     from engine.sparse.calibrate import ensure_calibration, summary, work_dir
+    from engine.runtime.torch_kv import KV_DTYPES
     from engine.sparse.engine import SparseBackend, SparseConfig, calib_config, min_cache_bytes
     from engine.sparse.store import STORE_VERSION, BundleStore, StoreConfig, build_store
     from engine.sparse.weights import MappedWeights, ffn_bytes, ffn_layout, load_dense_mmap
@@ -211,7 +212,7 @@ def run(args, report) -> dict:
             replay.rt.trace = None
         if can_cgroup:
             report(f"repeat {r + 1}/{repeats}: dense through mmap under a cgroup cap")
-            m = run_mmap_baseline(path, ids, n, cap, limit_bytes=limit)
+            m = run_mmap_baseline(path, ids, n, cap, limit_bytes=limit, kv_precision=base.kv_precision)
             m["tok_s"] = n / sum(m["decode_s"])
             m["bytes_per_token"] = m["decode_read_bytes"] / n
             m["read_mb_s"] = m["decode_read_bytes"] / sum(m["decode_s"]) / 1e6
@@ -227,12 +228,13 @@ def run(args, report) -> dict:
     res_sparse = [decode_run_warm(allres, ids, n) for _ in range(repeats)]
     allres.close()
     dense = load_dense_mmap(path, resident=True)
-    res_dense = [dense_run(dense, ids, n) for _ in range(repeats)]
+    res_dense = [dense_run(dense, ids, n, KV_DTYPES[base.kv_precision]) for _ in range(repeats)]
     del dense
     budget = int(median_of(runs["ours"], "cache_budget_bytes"))
     out = run_figures(args, layout, setup, ffn, non_ffn, cap, budget, fixed, min_budget, bundle, row_bytes,
                       store_cfg, io, n, repeats, runs, by_s, per_s, res_sparse, res_dense, calib, disk, quality,
                       sparsities, can_cgroup)
+    out["kv_precision"] = base.kv_precision  # the engine's, the mmap baseline's and all-resident dense's KV
     refusal = speedup_refusal(io)
     if refusal:
         refuse_speedups(out, refusal)

@@ -43,6 +43,7 @@ from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, decode_one, finished
 from engine.runtime.stored import STORAGE_DTYPES, native_matmul
+from engine.runtime.torch_kv import KV_DTYPES
 from engine.core.interface import EngineError, EngineInfo
 from engine.scheduler.inbox import InboxEngine, refuse_waiting
 from engine.runtime import tool_format
@@ -93,7 +94,6 @@ class MoEConfig:
         return cls(**extra)
 
 
-KV_DTYPES = {"f16": torch.float16, "f32": torch.float32}
 COMPUTES = ("auto", "native", "f32")
 
 

@@ -28,14 +28,15 @@ class TorchConfig:
 class TorchStream:
     """One request's DynamicCache. A stream opened on a kept cache (KeptCaches.open) holds its
     first `cached` ids already and prefills only the rest; on close it hands its cache and
-    the ids it holds to `release` (the backend's KeptCaches), if it has one."""
+    the ids it holds to `release` (the backend's KeptCaches), if it has one. `kv_dtype`
+    (e.g. torch.float16): a new cache keeps keys and values at that dtype (torch_kv.py)."""
 
     def __init__(self, model, cache=None, held: Sequence[int] = (),
-                 release: Callable[[Any, list[int]], None] | None = None) -> None:
-        from transformers import DynamicCache
+                 release: Callable[[Any, list[int]], None] | None = None, kv_dtype: Any = None) -> None:
+        from engine.runtime.torch_kv import new_cache
 
         self.model = model
-        self.cache = cache if cache is not None else DynamicCache(config=model.config)
+        self.cache = cache if cache is not None else new_cache(model.config, kv_dtype)
         self.fed: list[int] = list(held)  # the ids whose keys and values the cache holds, in order
         self.cached = len(self.fed)  # of them, taken over from an earlier request (prompt caching)
         self._release = release
@@ -76,10 +77,12 @@ class KeptCaches:
 
     Bounded by the KV reserve: at most `slots` caches exist at once, open or kept (a new
     stream that finds no match pushes the oldest kept one out), so caching costs nothing
-    past what `slots` running requests may hold. set_keep(False) keeps none."""
+    past what `slots` running requests may hold. set_keep(False) keeps none. New caches keep
+    their keys and values at `kv_dtype` (None: the activations' dtype)."""
 
-    def __init__(self, model, slots: int) -> None:
+    def __init__(self, model, slots: int, kv_dtype: Any = None) -> None:
         self.model, self.slots, self.keep = model, max(0, int(slots)), True
+        self.kv_dtype = kv_dtype
         self._kept: KeptStates[Any] = KeptStates()
         self._open = 0
         self._lock = threading.Lock()  # streams close on the engine's thread; set_keep from any
@@ -95,7 +98,7 @@ class KeptCaches:
                 cache.crop(reuse)
             except ValueError:  # a sliding-window layer past its window cannot be cut back
                 cache, reuse = None, 0
-        return TorchStream(self.model, cache, held[:reuse], self._give_back)
+        return TorchStream(self.model, cache, held[:reuse], self._give_back, self.kv_dtype)
 
     def set_keep(self, keep: bool) -> None:
         """Keep ended streams' caches from now on, or (False) none: the kept ones go now."""

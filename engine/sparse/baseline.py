@@ -120,19 +120,22 @@ def _oom_kills(group: Path) -> int:
 
 
 def run_mmap_baseline(model_dir: Path, prompt: list[int], tokens: int, weight_cap_bytes: int,
-                      slack_bytes: int = 16 * 2**20, timeout: float = 900, limit_bytes: int | None = None) -> dict:
+                      slack_bytes: int = 16 * 2**20, timeout: float = 900, limit_bytes: int | None = None,
+                      kv_precision: str = "f16") -> dict:
     """The dense model through mmap under a cap of (its setup usage + slack + weight_cap_bytes):
     weight_cap_bytes is the page cache the FFN weights may use (the engine's cap); or under
-    limit_bytes from its first byte."""
-    return run_capped_child(["engine.sparse.baseline", str(model_dir), json.dumps(prompt), str(tokens)],
+    limit_bytes from its first byte. Its keys and values are kept at `kv_precision`, as the
+    sparse engine it is compared with keeps them."""
+    return run_capped_child(["engine.sparse.baseline", str(model_dir), json.dumps(prompt), str(tokens), kv_precision],
                             weight_cap_bytes, slack_bytes, timeout, what="mmap baseline child",
                             limit_bytes=limit_bytes)
 
 
-def _child(model_dir: str, prompt: str, tokens: str) -> None:
+def _child(model_dir: str, prompt: str, tokens: str, kv_precision: str) -> None:
     import torch
 
     from engine.runtime.torch_backend import TorchStream
+    from engine.runtime.torch_kv import KV_DTYPES
     from engine.sparse.weights import load_dense_mmap, safetensors_files
 
     torch.set_grad_enabled(False)
@@ -142,7 +145,7 @@ def _child(model_dir: str, prompt: str, tokens: str) -> None:
     print("READY", flush=True)
     sys.stdin.readline()
     ids, n = json.loads(prompt), int(tokens)
-    stream = TorchStream(model)
+    stream = TorchStream(model, kv_dtype=KV_DTYPES[kv_precision])
     t0 = time.perf_counter()
     logits = stream.prefill(ids)
     t1 = time.perf_counter()
@@ -165,4 +168,4 @@ def _read_bytes() -> int:
 
 
 if __name__ == "__main__":
-    _child(*sys.argv[1:4])
+    _child(*sys.argv[1:5])

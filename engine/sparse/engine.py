@@ -17,7 +17,7 @@ max_concurrent contexts.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,6 +25,7 @@ import torch
 
 from engine.runtime.backend import Progress
 from engine.runtime.torch_backend import KeptCaches, TorchStream
+from engine.runtime.torch_kv import KV_DTYPES, element_bytes
 from engine.core.interface import Engine, EngineError
 from engine.scheduler.loop import BackendLoop
 
@@ -53,11 +54,12 @@ class SparseConfig:
     memory: MemoryPolicy = field(default_factory=MemoryPolicy)  # free-RAM adaptation
     warm: bool = False  # fill the cache with every neuron it can hold at start (all-resident runs)
     prefetch_top: float = 0.25  # read ahead only the most confident guesses (share of the mean active count)
+    kv_precision: str = "f16"  # keys and values kept at "f16" (16-bit, as the MoE engine) or "f32" (exact)
 
     @classmethod
     def from_options(cls, budget: int | None, extra: dict[str, Any]) -> "SparseConfig":
         known = {k: v for k, v in extra.items() if k in ("mode", "sparsity", "prefetch", "rank", "text", "warm",
-                                                             "prefetch_top", "context_length")}
+                                                             "prefetch_top", "context_length", "kv_precision")}
         unknown = set(extra) - set(known)
         if unknown:
             raise EngineError(f"unknown sparse engine option(s): {', '.join(sorted(unknown))}")
@@ -70,6 +72,8 @@ class SparseBackend:
     def __init__(self, model_dir: Path, cfg: SparseConfig, progress: Progress | None = None,
                  context_length: int = DEFAULT_CONTEXT, max_concurrent: int = 1) -> None:
         report = progress or (lambda _m, _f: None)
+        if cfg.kv_precision not in KV_DTYPES:
+            raise EngineError(f"kv_precision must be one of {', '.join(KV_DTYPES)}, not {cfg.kv_precision!r}")
         self.model_dir, self.device, self.cfg = Path(model_dir), "CPU", cfg
         self.layout = layout = ffn_layout(model_dir)
         store_kind = "exact" if cfg.mode == "exact" else "full"
@@ -103,8 +107,10 @@ class SparseBackend:
             raise BudgetError(f"a neuron cache budget of {budget / 2**20:.1f} MiB cannot hold one layer's active "
                               f"set; the minimum for this model and mode is {self.min_budget / 2**20:.1f} MiB "
                               f"({self.min_budget} bytes)")
-        self.kv_reserve_bytes = kv_reserve_bytes(self.model.config, context_length, max_concurrent)
-        self.kept = KeptCaches(self.model, max_concurrent)  # prompt caching, within the KV reserve
+        kv_dtype = KV_DTYPES[cfg.kv_precision]
+        self.kv_reserve_bytes = kv_reserve_bytes(self.model.config, context_length, max_concurrent,
+                                                 element_bytes(kv_dtype))
+        self.kept = KeptCaches(self.model, max_concurrent, kv_dtype)  # prompt caching, within the KV reserve
         self.working_bytes = working_bytes(self.model.config, context_length,
                                            layer_rows_bytes=layout.neurons * row_bytes)
         try:  # the same rule as the MoE engine: decided now that the resident weights are in
@@ -167,13 +173,20 @@ def min_cache_bytes(calib, mode: str, row_bytes: int) -> int:
     return max(per_layer) * row_bytes
 
 
-def kv_reserve_bytes(config, context: int, requests: int) -> int:
-    """KV of `requests` full contexts in the torch stream's cache (f32 keys and values)."""
+def _kv_row(config) -> tuple[int, int]:
+    """(layers, key + value elements one position takes in one layer)."""
     c = getattr(config, "text_config", config)
     heads = int(c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
-    return 2 * int(c.num_hidden_layers) * kv_heads * head_dim * 4 * int(context) * int(requests)
+    return int(c.num_hidden_layers), 2 * kv_heads * head_dim
+
+
+def kv_reserve_bytes(config, context: int, requests: int, element: int = 4) -> int:
+    """KV of `requests` full contexts in the torch stream's cache, `element` bytes a key or value
+    (2 at the default kv_precision f16, 4 at f32)."""
+    layers, row = _kv_row(config)
+    return layers * row * element * int(context) * int(requests)
 
 
 def working_bytes(config, context: int, chunk: int = 512, layer_rows_bytes: int = 0) -> int:
@@ -188,7 +201,9 @@ def working_bytes(config, context: int, chunk: int = 512, layer_rows_bytes: int 
     scores = int(c.num_attention_heads) * chunk * int(context) * 4
     logits = int(c.vocab_size) * 4
     slices = 3 * min(SLICE_BYTES, int(layer_rows_bytes))
-    return rows + scores + logits + slices + (32 << 20)
+    widened = _kv_row(config)[1] * int(context) * 4 * 2  # one layer's keys and values widened to f32 for
+    #                                                      attention (torch_kv), and the cat that grows them
+    return rows + scores + logits + slices + widened + (32 << 20)
 
 
 class _NoSpeculation:
@@ -248,7 +263,7 @@ class SparseEngine(BackendLoop):
         c = rt.cache
         return {"cache_budget_bytes": c.budget_bytes, "cache_used_bytes": c.used_rows * c.row_bytes,
                 "resident_bytes": self.backend.resident_bytes, "kv_reserve_bytes": self.backend.kv_reserve_bytes,
-                "working_bytes": self.backend.working_bytes,
+                "kv_precision": self.backend.cfg.kv_precision, "working_bytes": self.backend.working_bytes,
                 "min_budget_bytes": self.backend.min_budget, "hits": c.hits, "misses": c.misses,
                 "io": rt.store.stats.snapshot(), "prefetch": rt.prefetcher.stats.snapshot()}
 
@@ -256,6 +271,8 @@ class SparseEngine(BackendLoop):
 def open_sparse(spec: str, options, progress: Progress | None = None) -> Engine:
     """Factory opener: `--engine sparse` (EngineOptions.cache_budget_bytes, extra = SparseConfig fields)."""
     cfg = SparseConfig.from_options(options.cache_budget_bytes, dict(options.extra or {}))
+    if getattr(options, "precision", "default") == "f32" and "kv_precision" not in (options.extra or {}):
+        cfg = replace(cfg, kv_precision="f32")  # f32 asked for: exact keys and values too, as the MoE engine
     try:
         return SparseEngine.from_spec(spec, cfg, progress=progress)
     except BudgetError as e:

@@ -17,7 +17,8 @@ N = 16
 @pytest.mark.parametrize("mode", ["exact", "predicted"])
 def test_direct_reads_threshold_zero_equal_dense(wide_model, mode):
     budget = 5_000_000 if mode == "exact" else 10_000_000  # ~60 % of the FFN: streaming happens
-    with SparseEngine(wide_model, "wide", SparseConfig(mode=mode, sparsity=0.0, cache_budget_bytes=budget)) as eng:
+    cfg = SparseConfig(mode=mode, sparsity=0.0, cache_budget_bytes=budget, kv_precision="f32")  # as dense keeps KV
+    with SparseEngine(wide_model, "wide", cfg) as eng:
         assert eng.runtime.prefetcher.direct  # bundles land in cache slots, no copy
         ref = reference_greedy(wide_model, prompt_ids(eng.tokenizer, PROMPT), N)
         out, _, _ = collect(eng.generate(greedy("d", N)))
@@ -71,7 +72,8 @@ def test_bf16_store_keeps_the_checkpoint_bits_and_matches_the_dense_path(wide_mo
 
     path = wide_model_bf16
     w, layout = MappedWeights(path), ffn_layout(path)
-    with SparseEngine(path, "wide-bf16", SparseConfig(mode="exact", sparsity=0.0, cache_budget_bytes=3_000_000)) as eng:
+    cfg = SparseConfig(mode="exact", sparsity=0.0, cache_budget_bytes=3_000_000, kv_precision="f32")
+    with SparseEngine(path, "wide-bf16", cfg) as eng:
         store = eng.runtime.store
         assert store.dtype == "bf16" and store.payload == 2 * 512 * 2
         ids = np.array([0, 7, 8, 1000])
@@ -142,7 +144,8 @@ def test_a_layer_goes_through_in_slices_and_the_answer_stays_dense(wide_model, d
     monkeypatch.setattr(sparse_model, "SLICE_BYTES", 16 * 4096)  # wide exact: 16 neurons a slice
     path = wide_model if model == "wide" else demo_dir("demo")
     budget = {"exact": 5_000_000, "predicted": 10_000_000}[mode] if model == "wide" else 600_000
-    with SparseEngine(path, model, SparseConfig(mode=mode, sparsity=0.0, cache_budget_bytes=budget)) as eng:
+    cfg = SparseConfig(mode=mode, sparsity=0.0, cache_budget_bytes=budget, kv_precision="f32")  # as dense keeps KV
+    with SparseEngine(path, model, cfg) as eng:
         rt = eng.runtime
         assert rt.prefetcher.direct == (model == "wide")
         assert rt.slice == max(1, sparse_model.SLICE_BYTES // rt.cache.row_bytes) < rt.layout.neurons

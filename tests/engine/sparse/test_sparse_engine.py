@@ -3,6 +3,7 @@ a too-small budget refused, predictors and overlap measured."""
 
 
 import pytest
+import torch
 
 from engine.protocol.messages import GenerateRequest, SamplingParams
 from engine.runtime.chat import prompt_ids
@@ -23,7 +24,8 @@ def greedy(rid, n=N):
 def test_threshold_zero_equals_dense_transformers(demo_dir, spec, mode):
     path = demo_dir(spec)
     budget = 400_000 if mode == "exact" else 600_000  # well below the FFN size: streaming happens
-    with SparseEngine(path, spec, SparseConfig(mode=mode, sparsity=0.0, cache_budget_bytes=budget)) as eng:
+    cfg = SparseConfig(mode=mode, sparsity=0.0, cache_budget_bytes=budget, kv_precision="f32")  # transformers' KV
+    with SparseEngine(path, spec, cfg) as eng:
         ref = reference_greedy(path, prompt_ids(eng.tokenizer, PROMPT), N)
         out, _, final = collect(eng.generate(greedy("a")))
         assert out == ref
@@ -33,7 +35,8 @@ def test_threshold_zero_equals_dense_transformers(demo_dir, spec, mode):
 
 def test_relu_model_uses_natural_zeros_and_matches_dense(relu_model):
     # exact mode on a ReLU model: only neurons with relu(g) > 0 are read, output is the dense one
-    with SparseEngine(relu_model, "relu", SparseConfig(mode="exact", cache_budget_bytes=300_000)) as eng:
+    cfg = SparseConfig(mode="exact", cache_budget_bytes=300_000, kv_precision="f32")
+    with SparseEngine(relu_model, "relu", cfg) as eng:
         calib = eng.backend.calib
         assert calib.thresholds == [0.0] * 4 and 0.3 < calib.sparsity < 0.7
         ref = reference_greedy(relu_model, prompt_ids(eng.tokenizer, PROMPT), N)
@@ -51,6 +54,49 @@ def test_factory_opens_the_sparse_engine(demo_dir):
         assert eng.info.engine == "sparse"
         _, text, final = collect(eng.generate(greedy("f", 4)))
         assert final.finish_reason == "length"
+    finally:
+        eng.close()
+
+
+def _dense_greedy_f16_kv(path, ids, n):
+    """transformers' dense model, greedy, its keys and values kept at float16 (torch_kv)."""
+    import numpy as np
+    import torch
+
+    from engine.runtime.torch_backend import TorchStream
+    from engine_helpers import reference_model
+
+    stream, out = TorchStream(reference_model(path), kv_dtype=torch.float16), []
+    logits = stream.prefill(ids)
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = stream.decode(out[-1])
+    return out
+
+
+def test_keys_and_values_are_16_bit_by_default(demo_dir):
+    """An 8B Llama's context is 1 GiB of f32 KV; the engine reserves and keeps it at 16 bits (as the
+    MoE engine), and at threshold 0 answers what dense transformers answers with 16-bit KV."""
+    path = demo_dir("demo")
+    base = dict(mode="exact", sparsity=0.0, cache_budget_bytes=400_000)
+    with SparseEngine(path, "demo", SparseConfig(**base, kv_precision="f32")) as wide:
+        wide_reserve = wide.stats()["kv_reserve_bytes"]
+    with SparseEngine(path, "demo", SparseConfig(**base)) as eng:
+        s = eng.stats()
+        assert s["kv_precision"] == "f16" and s["kv_reserve_bytes"] * 2 == wide_reserve
+        ids = prompt_ids(eng.tokenizer, PROMPT)
+        out, _, final = collect(eng.generate(greedy("h")))
+        assert out == _dense_greedy_f16_kv(path, ids, N)
+        stream = eng.backend.new_stream(ids + out + ids)  # a follow-up: on the ended answer's kept cache
+        assert stream.cached >= len(ids)
+        assert {layer.keys.dtype for layer in stream.cache.layers} == {torch.float16}
+        stream.close()
+    with pytest.raises(EngineError, match="kv_precision must be one of f16, f32, not 'q4'"):
+        SparseEngine(path, "demo", SparseConfig(**base, kv_precision="q4"))
+    eng = open_engine("demo", "sparse", EngineOptions(precision="f32", cache_budget_bytes=400_000,
+                                                      extra={"mode": "exact", "sparsity": 0.0}))
+    try:  # exact math asked for: exact keys and values too
+        assert eng.stats()["kv_precision"] == "f32" and eng.stats()["kv_reserve_bytes"] == wide_reserve
     finally:
         eng.close()
 
@@ -110,7 +156,8 @@ def test_the_trained_relu_demo_skips_its_zeros_and_matches_dense():
     from engine.models.demo import ensure_demo
 
     path = ensure_demo("demo-relu")
-    with SparseEngine(path, "demo-relu", SparseConfig(mode="exact", cache_budget_bytes=600_000)) as eng:
+    cfg = SparseConfig(mode="exact", cache_budget_bytes=600_000, kv_precision="f32")
+    with SparseEngine(path, "demo-relu", cfg) as eng:
         calib = eng.backend.calib
         assert calib.thresholds == [0.0] * 8 and calib.sparsity > 0.5
         ids = prompt_ids(eng.tokenizer, PROMPT)

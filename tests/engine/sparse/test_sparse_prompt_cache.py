@@ -9,7 +9,8 @@ from engine_helpers import WATER, ask_chat, chat, check_follow_up_prefills_only_
 
 from engine.sparse.engine import SparseConfig, SparseEngine
 
-CFG = SparseConfig(mode="exact", sparsity=0.0, cache_budget_bytes=400_000)  # the FFN streams from disk
+# the FFN streams from disk; keys and values kept as transformers keeps them
+CFG = SparseConfig(mode="exact", sparsity=0.0, cache_budget_bytes=400_000, kv_precision="f32")
 
 
 def test_a_follow_up_turn_prefills_only_what_is_new(demo_dir):
