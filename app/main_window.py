@@ -13,7 +13,6 @@ engine in the background; the window really closes once the runner is idle
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
@@ -34,6 +33,7 @@ from app.session import CLOSING, FAILED, OPENING, READY, EngineSession
 from app.settings import AppSettings
 from app.preferences.view import SettingsView
 from app.chat.store import ChatStore
+from engine.platform.memory import settle_heap
 
 VIEWS = [("fleet", "Fleet"), ("models", "Models"), ("plan", "Plan"), ("chat", "Chat"), ("settings", "Settings")]
 CLOSE_GRACE_MS = 10_000
@@ -44,18 +44,6 @@ def resolve_theme(name: str) -> str:
         return name
     scheme = QGuiApplication.styleHints().colorScheme()
     return "dark" if scheme == Qt.ColorScheme.Dark else "light"
-
-
-def freeze_heap() -> None:
-    """Move every object alive now out of the cyclic GC's reach.
-
-    With torch, transformers and OpenVINO loaded the heap holds millions of
-    long-lived objects, and one full (generation 2) collection takes 150-480 ms
-    (measured here): whichever thread triggers it, it holds the GIL and the GUI
-    freezes. Engines are loaded once and live long, so after each load we
-    freeze the heap (gc.freeze, the CPython way for exactly this); later
-    collections only walk what was allocated since, a few ms."""
-    gc.freeze()
 
 
 class MainWindow(QMainWindow):
@@ -188,7 +176,7 @@ class MainWindow(QMainWindow):
         s = self.session
         self.progress.setVisible(s.state == OPENING)
         if s.state == READY:
-            freeze_heap()
+            settle_heap()  # later collections skip what torch & co. hold (a full one: 150-480 ms of frozen GUI)
             self.status_label.setStyleSheet("")
             plan = f" ({s.plan_text})" if s.plan_text else ""
             self.status_label.setText(f"{s.label()}{plan} · ready")

@@ -6,6 +6,7 @@ import argparse
 import sys
 import uuid
 
+from engine.platform.memory import settle_heap
 from engine.cli.progress import TerminalProgress
 from engine.protocol.messages import ChatMessage, GenerateRequest, SamplingParams
 from engine.runtime.ov_weights import WEIGHT_CHOICES
@@ -197,6 +198,7 @@ def chat_session(engine, args: argparse.Namespace, sampling: SamplingParams, whe
     if args.prompt is not None:
         _answer(engine, history, args.prompt, sampling)
         return 0
+    settle_heap()  # a conversation follows: no full collection of the loaded libraries mid-answer
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"Chatting with {engine.info.model_id} {where}. "

@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from engine.platform.memory import settle_heap
     from engine.serve.api import create_app, run_server
 
     if not 0 <= args.port < 65536:
@@ -35,6 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     access = decide(args.host, args.port, args.api_key, args.no_auth)  # before the model loads: a key
     engine = open_engine_from_args(args)  # problem shows at once
     try:
+        settle_heap()  # no full collection of the loaded libraries mid-answer
         app = create_app(engine, api_key=access.api_key)
         if access.notice:
             print(access.notice, file=sys.stderr)

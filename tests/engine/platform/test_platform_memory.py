@@ -1,5 +1,5 @@
 """memory_room: what this process may still take under its memory cgroup (v1 and v2, faked here as
-files), clean unmapped page cache counted as free, no limit -> None."""
+files), clean unmapped page cache counted as free, no limit -> None; settle_heap's freeze."""
 
 from __future__ import annotations
 
@@ -46,3 +46,39 @@ def test_v2_room(tmp_path):
 
 def test_no_cgroup_file_is_none(tmp_path):
     assert cgroup_room(tmp_path / "missing", tmp_path) is None
+
+
+def test_settle_heap_freezes_what_lives_and_frees_what_an_earlier_call_froze():
+    """A served engine's heap is frozen (no full collection walks it mid-answer); an engine
+    closed since the last settle is not kept by the freeze: its cycles go at the next one."""
+    import gc
+    import weakref
+
+    from engine.platform.memory import settle_heap
+
+    class Engine:  # stands for a loaded engine: objects in a reference cycle
+        pass
+
+    def cycle():
+        a, b = Engine(), Engine()
+        a.other, b.other = b, a
+        return a
+
+    garbage = cycle()
+    gone_before = weakref.ref(garbage)
+    del garbage  # unreachable already: collected by this settle, not frozen
+    first = cycle()
+    first_alive = weakref.ref(first)
+    try:
+        settle_heap()
+        assert gone_before() is None
+        assert gc.get_freeze_count() > 0
+        gc.collect()
+        assert first_alive() is not None  # alive and frozen
+        del first  # "closed" while frozen: no collection reaches it ...
+        gc.collect()
+        assert first_alive() is not None
+        settle_heap()  # ... until the next settle unfreezes and collects
+        assert first_alive() is None and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as usual
