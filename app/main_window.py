@@ -33,7 +33,7 @@ from app.session import CLOSING, FAILED, OPENING, READY, EngineSession
 from app.settings import AppSettings
 from app.preferences.view import SettingsView
 from app.chat.store import ChatStore
-from engine.platform.memory import settle_heap
+from engine import client
 
 VIEWS = [("fleet", "Fleet"), ("models", "Models"), ("plan", "Plan"), ("chat", "Chat"), ("settings", "Settings")]
 CLOSE_GRACE_MS = 10_000
@@ -176,7 +176,7 @@ class MainWindow(QMainWindow):
         s = self.session
         self.progress.setVisible(s.state == OPENING)
         if s.state == READY:
-            settle_heap()  # later collections skip what torch & co. hold (a full one: 150-480 ms of frozen GUI)
+            client.settle_heap()  # later collections skip what torch & co. hold (a full one: 150-480 ms of frozen GUI)
             self.status_label.setStyleSheet("")
             plan = f" ({s.plan_text})" if s.plan_text else ""
             self.status_label.setText(f"{s.label()}{plan} · ready")

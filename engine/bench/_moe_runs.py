@@ -13,6 +13,10 @@ from typing import Any
 PROMPTS = ["Once upon a time", "The robot walked into", "Tell me about the sea", "A small cat",
            "In the morning the", "She opened the door and", "Why is the sky", "The old man said"]
 CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + tokens fit)
+# Benchmark-only variants: a scheduler with one engine setting changed, run beside it.
+# bevy_verify_first: Bevy checking an expert's checksum on its first read only, not on every read
+# (MoEConfig.verify): what the checksums cost it, whose reads take compute from the experts.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"bevy_verify_first": ("bevy", {"verify": "first"})}
 
 
 def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: int, direct: bool,
@@ -21,8 +25,9 @@ def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: 
     torch_threads None: the engine's own."""
     from engine.moe.engine import MoEConfig, MoEEngine
 
-    cfg = MoEConfig(scheduler=sched, cache_budget_bytes=budget, direct_io=direct, max_concurrent=conc,
-                    context_length=CONTEXT, torch_threads=torch_threads)
+    scheduler, changed = VARIANTS.get(sched, (sched, {}))
+    cfg = MoEConfig(scheduler=scheduler, cache_budget_bytes=budget, direct_io=direct, max_concurrent=conc,
+                    context_length=CONTEXT, torch_threads=torch_threads, **changed)
     return MoEEngine(store_dir, model_id, cfg)
 
 

@@ -6,7 +6,7 @@ through a function here, so the engine packages can change shape without the
 app noticing, and so this package shows the whole app <-> engine surface:
 
   engines.py   engine_kinds, open_engine, engine_load, SpecChoice, speculative_available,
-               draft_models, start_api_server
+               draft_models, start_api_server, settle_heap
   launch.py    launch_pipeline (this PC), ring_snapshot, stage_pids, LaunchStep
   models.py    list_models, list_demo_models, model_profile, import_model_folder,
                download_model, convert_to_openvino
@@ -37,7 +37,8 @@ from typing import Any
 from engine.client._common import Progress
 from engine.client.agent import AgentHandle, AgentState, PairedController, PairingRequest
 from engine.client.engines import (SPEC_MAX_K, SPEC_MODES, EngineKind, SpecChoice, draft_models, engine_kinds,
-                                   engine_load, open_engine, speculative_available, start_api_server)
+                                   engine_load, open_engine, settle_heap, speculative_available,
+                                   start_api_server)
 from engine.client.fleet import (FleetChange, FleetWatcher, PeerCard, add_peer_address, controller_name,
                                  fleet_launch_available, launch_fleet, pair_peer, pairing_code_for, peer_addresses,
                                  remove_peer_address, this_pc)
@@ -57,7 +58,7 @@ __all__ = [
     "FleetChange", "FleetWatcher", "LaunchCancelled", "LaunchStep", "PairedController", "PairingRequest",
     "PeerCard", "Progress", "RingSnapshot", "RingStage", "SPEC_MAX_K", "SPEC_MODES", "SpecChoice",
     "open_engine", "engine_kinds", "engine_load", "launch_pipeline", "launch_fleet", "ring_snapshot",
-    "stage_pids", "speculative_available", "draft_models", "list_demo_models", "list_models",
+    "stage_pids", "settle_heap", "speculative_available", "draft_models", "list_demo_models", "list_models",
     "model_profile", "import_model_folder", "download_model", "convert_to_openvino", "plan_model",
     "local_peers", "fleet_peers", "plan_request", "auto_plan", "balanced_plan", "evaluate_plan",
     "validate_plan", "plan_precision", "WEIGHT_CHOICES", "move_boundary", "exclude_peer", "pin_device",

@@ -158,3 +158,11 @@ def start_api_server(engine: Engine, port: int = 8000, host: str = "127.0.0.1", 
     server = ApiServer(create_app(engine, api_key=access.api_key), host, port)
     server.access = access
     return server.start()
+
+
+def settle_heap() -> None:
+    """Once an engine is ready: collect, then freeze the heap, so that no full collection
+    walks what torch & co. hold while it answers (engine.platform.memory.settle_heap)."""
+    from engine.platform.memory import settle_heap as settle
+
+    settle()

@@ -267,14 +267,30 @@ def test_moe_bench_refuses_speedups_when_o_direct_is_not_in_effect(monkeypatch, 
 
 
 def test_moe_bench_reports_speedups_of_a_buffered_run_asked_for():
-    out = moe.run(_args([*TINY, "--repeats", "1", "--concurrency", "2", "--schedulers", "bevy,on_demand,prefetch",
-                         "--buffered"]), lambda _line: None)
+    out = moe.run(_args([*TINY, "--repeats", "1", "--concurrency", "2", "--schedulers",
+                         "bevy,on_demand,prefetch,bevy_verify_first", "--buffered"]), lambda _line: None)
     assert out["io"] == {"requested": "buffered", "effective": "buffered", "fallback_reason": None}
     assert out["o_direct"] is False and "speedup_refused" not in out
     res = out["results"]
     assert out["speedup_vs_on_demand"] == pytest.approx(res["bevy"]["2"]["tok_s"] / res["on_demand"]["2"]["tok_s"],
                                                         abs=1e-3)
     assert "overlap_bound" not in out  # no resident run, no bound
+    # the variant beside Bevy: its own cell, its ratio over Bevy's, Bevy's answers
+    assert out["verify_first_over_bevy"] == pytest.approx(
+        res["bevy_verify_first"]["2"]["tok_s"] / res["bevy"]["2"]["tok_s"], abs=1e-3)
+    assert res["bevy_verify_first"]["2"]["same_tokens_as_on_demand"] == res["bevy"]["2"]["same_tokens_as_on_demand"]
+
+
+def test_the_verify_first_variant_is_bevy_checking_first_reads_only(tiny_store):
+    from engine.bench._moe_runs import open_engine
+    from engine.moe.scheduler import BevyScheduler
+
+    for sched, verify in (("bevy", "always"), ("bevy_verify_first", "first")):
+        engine = open_engine(tiny_store, "tiny", sched, None, 2, True)
+        try:
+            assert isinstance(engine.scheduler, BevyScheduler) and engine.store.config.verify == verify
+        finally:
+            engine.close()
 
 
 def test_moe_bench_on_a_demo_runs_every_engine_capped_above_its_setup():
