@@ -59,7 +59,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="CPU", help="OpenVINO device: CPU, GPU, NPU or AUTO (default: CPU)")
     p.add_argument("--precision", choices=("default", "f32"), default="default",
                    help="f32 forces full-precision math and KV cache (exact, slower); "
-                        "default lets the device choose (bf16/u8 KV on recent CPUs)")
+                        "default lets the device choose (bf16/u8 KV on recent CPUs; moe/sparse: f16 KV)")
     p.add_argument("--backend", choices=("openvino", "torch"), default="openvino",
                    help="local engine: openvino (default) or the transformers reference path")
     p.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto",
