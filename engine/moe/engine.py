@@ -43,7 +43,7 @@ from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, decode_one, finished
 from engine.runtime.stored import STORAGE_DTYPES, native_matmul
-from engine.runtime.torch_kv import KV_DTYPES
+from engine.runtime.torch_kv import KV_DTYPES, asked_kv_precision
 from engine.core.interface import EngineError, EngineInfo
 from engine.scheduler.inbox import InboxEngine, refuse_waiting
 from engine.runtime import tool_format
@@ -288,9 +288,7 @@ def open_moe_engine(spec: str, options: Any, progress: Progress | None = None) -
     """The factory's opener for `--engine moe` (EngineOptions -> MoEConfig)."""
     if str(getattr(options, "device", "CPU")).upper() != "CPU":
         raise EngineError(f"the moe engine runs on the CPU only, not {options.device!r}")
-    config = MoEConfig.from_options(options)
-    if getattr(options, "precision", "default") == "f32" and "kv_precision" not in (options.extra or {}):
-        config = dataclasses.replace(config, kv_precision="f32")
+    config = dataclasses.replace(MoEConfig.from_options(options), **asked_kv_precision(options))
     return MoEEngine.from_spec(spec, config, progress)
 
 

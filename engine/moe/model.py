@@ -122,7 +122,7 @@ class KVPool:
     def reserve_bytes(layers: int, kv_heads: int, head_dim: int, slots: int, capacity: int,
                       dtype: torch.dtype = torch.float16) -> int:
         """What a pool of this shape reserves (K and V of every layer)."""
-        return 2 * layers * slots * kv_heads * capacity * head_dim * torch.empty(0, dtype=dtype).element_size()
+        return 2 * layers * slots * kv_heads * capacity * head_dim * dtype.itemsize
 
     @property
     def nbytes(self) -> int:

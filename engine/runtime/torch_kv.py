@@ -64,6 +64,9 @@ def new_cache(config: Any, kv_dtype: torch.dtype | None = None) -> DynamicCache:
     return cache
 
 
-def element_bytes(kv_dtype: torch.dtype | None) -> int:
-    """Bytes one kept key or value element takes (float32 when None)."""
-    return torch.empty(0, dtype=kv_dtype or torch.float32).element_size()
+def asked_kv_precision(options: Any) -> dict[str, str]:
+    """The engines' rule for their KV when the user named none: exact math asked for
+    (`--precision f32`) keeps exact keys and values too. As MoEConfig / SparseConfig fields."""
+    if getattr(options, "precision", "default") == "f32" and "kv_precision" not in (options.extra or {}):
+        return {"kv_precision": "f32"}
+    return {}

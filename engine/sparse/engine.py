@@ -25,7 +25,7 @@ import torch
 
 from engine.runtime.backend import Progress
 from engine.runtime.torch_backend import KeptCaches, TorchStream
-from engine.runtime.torch_kv import KV_DTYPES, element_bytes
+from engine.runtime.torch_kv import KV_DTYPES, asked_kv_precision
 from engine.core.interface import Engine, EngineError
 from engine.scheduler.loop import BackendLoop
 
@@ -109,7 +109,7 @@ class SparseBackend:
                               f"({self.min_budget} bytes)")
         kv_dtype = KV_DTYPES[cfg.kv_precision]
         self.kv_reserve_bytes = kv_reserve_bytes(self.model.config, context_length, max_concurrent,
-                                                 element_bytes(kv_dtype))
+                                                 kv_dtype.itemsize)
         self.kept = KeptCaches(self.model, max_concurrent, kv_dtype)  # prompt caching, within the KV reserve
         self.working_bytes = working_bytes(self.model.config, context_length,
                                            layer_rows_bytes=layout.neurons * row_bytes)
@@ -271,8 +271,7 @@ class SparseEngine(BackendLoop):
 def open_sparse(spec: str, options, progress: Progress | None = None) -> Engine:
     """Factory opener: `--engine sparse` (EngineOptions.cache_budget_bytes, extra = SparseConfig fields)."""
     cfg = SparseConfig.from_options(options.cache_budget_bytes, dict(options.extra or {}))
-    if getattr(options, "precision", "default") == "f32" and "kv_precision" not in (options.extra or {}):
-        cfg = replace(cfg, kv_precision="f32")  # f32 asked for: exact keys and values too, as the MoE engine
+    cfg = replace(cfg, **asked_kv_precision(options))
     try:
         return SparseEngine.from_spec(spec, cfg, progress=progress)
     except BudgetError as e:

@@ -28,18 +28,23 @@ def reference_model(path: Path):
     return _REF_MODELS[path]
 
 
-def reference_greedy(path: Path, ids: list[int], n: int, ignore_eos: bool = False) -> list[int]:
+def reference_greedy(path: Path, ids: list[int], n: int, ignore_eos: bool = False, kv_dtype=None) -> list[int]:
     """transformers generate(do_sample=False): the new token ids (EOS included).
-    ignore_eos: exactly n tokens, going on past EOS (as SamplingParams.ignore_eos)."""
+    ignore_eos: exactly n tokens, going on past EOS (as SamplingParams.ignore_eos).
+    kv_dtype (e.g. torch.float16): the cache keeps keys and values at it (engine/runtime/torch_kv.py)."""
     import torch
+
+    from engine.runtime.torch_kv import new_cache
 
     model = reference_model(path)
     x = torch.tensor([ids], dtype=torch.long)
+    past = new_cache(model.config, kv_dtype) if kv_dtype is not None else None  # None: transformers' own
     with torch.inference_mode():
         if not ignore_eos:
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                 past_key_values=past)
             return out[0, len(ids):].tolist()
-        new, past, cur = [], None, x
+        new, cur = [], x
         for _ in range(n):  # plain argmax with the model's own KV cache: no stopping rule at all
             o = model(input_ids=cur, past_key_values=past, use_cache=True)
             past = o.past_key_values

@@ -58,22 +58,6 @@ def test_factory_opens_the_sparse_engine(demo_dir):
         eng.close()
 
 
-def _dense_greedy_f16_kv(path, ids, n):
-    """transformers' dense model, greedy, its keys and values kept at float16 (torch_kv)."""
-    import numpy as np
-    import torch
-
-    from engine.runtime.torch_backend import TorchStream
-    from engine_helpers import reference_model
-
-    stream, out = TorchStream(reference_model(path), kv_dtype=torch.float16), []
-    logits = stream.prefill(ids)
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = stream.decode(out[-1])
-    return out
-
-
 def test_keys_and_values_are_16_bit_by_default(demo_dir):
     """An 8B Llama's context is 1 GiB of f32 KV; the engine reserves and keeps it at 16 bits (as the
     MoE engine), and at threshold 0 answers what dense transformers answers with 16-bit KV."""
@@ -86,7 +70,7 @@ def test_keys_and_values_are_16_bit_by_default(demo_dir):
         assert s["kv_precision"] == "f16" and s["kv_reserve_bytes"] * 2 == wide_reserve
         ids = prompt_ids(eng.tokenizer, PROMPT)
         out, _, final = collect(eng.generate(greedy("h")))
-        assert out == _dense_greedy_f16_kv(path, ids, N)
+        assert out == reference_greedy(path, ids, N, kv_dtype=torch.float16)
         stream = eng.backend.new_stream(ids + out + ids)  # a follow-up: on the ended answer's kept cache
         assert stream.cached >= len(ids)
         assert {layer.keys.dtype for layer in stream.cache.layers} == {torch.float16}
