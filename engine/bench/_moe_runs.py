@@ -14,9 +14,9 @@ PROMPTS = ["Once upon a time", "The robot walked into", "Tell me about the sea",
            "In the morning the", "She opened the door and", "Why is the sky", "The old man said"]
 CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + tokens fit)
 # Benchmark-only variants: a scheduler with one engine setting changed, run beside it.
-# bevy_verify_first: Bevy checking an expert's checksum on its first read only, not on every read
-# (MoEConfig.verify): what the checksums cost it, whose reads take compute from the experts.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"bevy_verify_first": ("bevy", {"verify": "first"})}
+# bevy_verify_always: Bevy checking an expert's checksum on every read, not only on its first read
+# and after its file changed (MoEConfig.verify): what checking every read would cost it.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"bevy_verify_always": ("bevy", {"verify": "always"})}
 
 
 def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: int, direct: bool,

@@ -61,7 +61,8 @@ class MoEConfig:
     kv_precision: str = "f16"  # KV cache dtype: "f16" (16-bit) or "f32" (exact, for equivalence tests)
     fetch_threads: int = 4  # parallel blob reads (keeps the disk queue full)
     direct_io: bool = True  # O_DIRECT reads, so figures show the disk, not the page cache
-    verify: str = "always"  # checksum on "always" / "first" read of each blob / "never"
+    verify: str = "first"  # checksum each blob's "first" read and again after its file changed
+    #                        (engine/platform/read_checks.py), "always" (every read), "never"
     max_concurrent: int = 4  # requests in flight (each reserves a full context of KV); more wait in line
     prefill_chunk: int = 256  # prompt tokens per pass
     # None: every core. The readers wait on the disk, not the CPU: side by side on a 2-core PC (bench

@@ -24,9 +24,10 @@ buffered reads with a warning and says so: `io_mode` is then "buffered" and
 page-cache figures as disk ones. `io_reader` says how reads happen: "preadv"
 (os.preadv, no lock) or "seek" (a per-handle lock + seek + readinto: Windows,
 which has no pread; FLOTILLA_PORTABLE_IO=1, read when the store opens, forces
-it on any OS so the Windows path is tested here). Every blob carries a checksum that is
-verified on read (always, or on the first read of each blob) so a corrupted
-blob is reported as an error, never turned into a wrong answer.
+it on any OS so the Windows path is tested here). Every blob carries a checksum,
+checked on its first read and again after the file changed
+(engine/platform/read_checks.py; or on every read, verify="always"), so a
+corrupted blob is reported as an error, never turned into a wrong answer.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.platform import pread
 from engine.platform.direct_io import DirectIOReport, open_for_reads
+from engine.platform.read_checks import ReadChecks
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,6 @@ INDEX_FILE = "index.json"
 BLOB_FILE = "experts.bin"
 REST_FILE = "rest.safetensors"
 STORE_VERSION = 2  # 2: parts carry their dtype (1 was float32 only)
-VERIFY_MODES = ("always", "first", "never")
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -206,15 +209,14 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 @dataclass(frozen=True)
 class StoreConfig:
     direct: bool = True  # unbuffered reads (bypass the page cache: O_DIRECT & co.); falls back with a warning
-    verify: str = "always"  # checksum each read: "always", "first" (first read per blob), "never"
+    verify: str = "first"  # checksum: "first" read of each blob and again once the file changed
+    #                        (engine/platform/read_checks.py), "always" (every read), "never"
 
 
 class ExpertStore(DirectIOReport):
     """Reads expert blobs into caller-owned aligned buffers; thread-safe (engine.platform.pread)."""
 
     def __init__(self, folder: Path, config: StoreConfig = StoreConfig()) -> None:
-        if config.verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {config.verify!r}")
         self.folder = Path(folder)
         self.config = config
         try:
@@ -233,10 +235,12 @@ class ExpertStore(DirectIOReport):
         self.direct = False  # unbuffered reads in effect (see io_mode / io_fallback_reason)
         self.io_fallback_reason: str | None = None
         self._reader = self._open(path)
-        self._verified: set[Key] = set()  # blobs already checked (verify="first")
+        self._slot = {key: i for i, key in enumerate(sorted(self.index.blobs))}  # blob -> index for checks
+        self._checks = ReadChecks(config.verify, [len(self._slot)])
         self._lock = threading.Lock()
         self.bytes_read = 0  # total bytes read from disk (statistics)
         self.reads = 0  # blobs read
+        self.checksums = 0  # blobs checksummed
 
     def _open(self, path: Path) -> pread.Reader:
         self.io_unbuffered = pread.unbuffered_mode()
@@ -267,20 +271,20 @@ class ExpertStore(DirectIOReport):
             self._reader.readinto(view, info.offset)  # short reads resumed (at aligned offsets)
         except pread.ShortReadError:
             raise StoreError(f"short read of expert {key} from {self.folder / BLOB_FILE}") from None
+        slot = np.array([self._slot[key]])
+        need, token = self._checks.needed(0, self._reader.fd, slot)
         with self._lock:
             self.bytes_read += n
             self.reads += 1
-            check = self.config.verify == "always" or (self.config.verify == "first"
-                                                       and key not in self._verified)
-        if check:
+            self.checksums += int(need[0])
+        if need[0]:
             digest = checksum(self.index.checksum_algo, view)
             if digest != info.checksum:
                 raise ChecksumError(
                     f"expert {key[1]} of layer {key[0]} is corrupted in {self.folder / BLOB_FILE} "
                     f"(checksum {digest} != {info.checksum}); re-convert the model "
                     f"(delete {self.folder})")
-            with self._lock:
-                self._verified.add(key)
+            self._checks.passed(0, slot, token)
 
     def close(self) -> None:
         self._reader.close()

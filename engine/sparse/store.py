@@ -11,10 +11,10 @@ bytes streamed per neuron shrink by a third.
     <store>/sums.npy           uint64 [L, N]: xxh3-64 of each bundle's payload
     <store>/layer-007.bin      N x stride bytes
 
-Every bundle read from disk is checked against its xxh3-64 checksum (crc32
-over ~5000 bundles of 16 KiB cost ~45 ms a token here; xxh3 ~10 ms, most of
-it the per-bundle call), so a damaged file raises CorruptStoreError instead of
-silently computing with garbage. read_into() lands bundles straight in the
+A bundle read from disk is checked against its xxh3-64 checksum on its first
+read and again on every read once its file changed (engine/platform/read_checks.py;
+verify="always": every read), so a damaged file raises CorruptStoreError instead
+of silently computing with garbage. read_into() lands bundles straight in the
 neuron cache's slots (scatter reads, no copy); read_async() uses a buffer. Reads of sorted neuron ids are coalesced into ranges (runs of
 consecutive bundles; gaps read through only when the disk probe says reading
 them is cheaper than one more request) and submitted as one batch through
@@ -54,6 +54,7 @@ import xxhash
 from engine.models.errors import ModelError
 from engine.platform.direct_io import DirectIOReport, open_for_reads  # the one unbuffered probe (tmpfs, EINVAL, flag check)
 from engine.platform import pread
+from engine.platform.read_checks import ReadChecks
 from engine.sparse import aio
 from engine.sparse.weights import FFNLayout, MappedWeights
 
@@ -79,7 +80,8 @@ class StoreConfig:
     #                   streaming one more 16 KiB bundle costs ~18 us, so gaps are not worth reading
     max_request: int = 256 * 1024  # bytes per read at most (bigger gains nothing: probe)
     direct: bool = True  # unbuffered (O_DIRECT & co.): bypass the page cache so RAM use is only our cache
-    verify: bool = True  # checksum (xxh3-64) every bundle read
+    verify: str = "first"  # checksum (xxh3-64) each bundle's "first" read and again after its file
+    #                        changed (engine/platform/read_checks.py), "always" (every read), "never"
     aio: bool = True  # batched Linux AIO when available and not FLOTILLA_PORTABLE_IO (else the thread pool)
 
 
@@ -90,6 +92,7 @@ class IOStats:
     bundles: int = 0  # bundles delivered
     seconds: float = 0.0  # thread pool: summed busy time; AIO: wall time from submit to completion
     verify_s: float = 0.0  # checksum checking
+    checked: int = 0  # bundles checksummed
     submit_s: float = 0.0  # AIO: time inside io_submit (blocks while the device queue is full: I/O wait too)
 
     def snapshot(self) -> dict:
@@ -366,6 +369,7 @@ class BundleStore(DirectIOReport):
         self.np_dtype = np.dtype(DTYPES[self.dtype])
         self.row_shape = (len(self.parts), self.layout.hidden)  # one bundle: [P, h]
         self.stats = IOStats()
+        self.checks = ReadChecks(config.verify, [self.layout.neurons] * self.layout.num_layers)
         self._stats_lock = threading.Lock()
         self._ring_lock = threading.Lock()
         self.io_fallback_reason: str | None = None  # why unbuffered reads are not in effect (first file that refused)
@@ -433,19 +437,24 @@ class BundleStore(DirectIOReport):
         return self.read_async(layer, ids).result()[1]
 
     def _verify(self, layer: int, ids: np.ndarray, payload: np.ndarray) -> None:
-        """payload [k, payload bytes] of bundles ids: every xxh3-64 checksum must match."""
-        if not self.config.verify:
-            return
+        """payload [k, payload bytes] of bundles ids, just read: the xxh3-64 checksum of every
+        one that needs checking (self.checks) must match."""
         t0 = time.perf_counter()
-        want = self.crc[layer, ids].tolist()
+        need, token = self.checks.needed(layer, self._fds[layer], ids)
+        todo = np.flatnonzero(need)
+        if len(todo) == 0:
+            return
+        want = self.crc[layer, ids[todo]].tolist()
         digest = xxhash.xxh3_64_intdigest
-        for j, w in enumerate(want):
+        for j, w in zip(todo.tolist(), want):
             if digest(payload[j]) != w:
                 raise CorruptStoreError(
                     f"{self.file(layer)}: neuron {int(ids[j])} fails its checksum; the store is damaged "
                     f"-- delete {self.path} to rebuild it from the model")
+        self.checks.passed(layer, ids[todo], token)
         with self._stats_lock:
             self.stats.verify_s += time.perf_counter() - t0
+            self.stats.checked += len(todo)
 
     def _read_range(self, layer: int, start: int, end: int) -> np.ndarray:
         """Thread-pool path: one read of bundles [start, end) through the layer's reader."""
@@ -474,7 +483,8 @@ class BundleStore(DirectIOReport):
         return DirectRead(self, layer, np.asarray(ids, dtype=np.int64), np.asarray(addrs, dtype=np.uint64), rows)
 
     def verify_all(self) -> None:
-        """Check every bundle of every layer (raises CorruptStoreError)."""
+        """Check every bundle of every layer (raises CorruptStoreError; verify="never": reads only)."""
+        self.checks.forget()
         ids = np.arange(self.layout.neurons)
         for layer in range(self.layout.num_layers):
             self.read(layer, ids)

@@ -268,7 +268,7 @@ def test_moe_bench_refuses_speedups_when_o_direct_is_not_in_effect(monkeypatch, 
 
 def test_moe_bench_reports_speedups_of_a_buffered_run_asked_for():
     out = moe.run(_args([*TINY, "--repeats", "1", "--concurrency", "2", "--schedulers",
-                         "bevy,on_demand,prefetch,bevy_verify_first", "--buffered"]), lambda _line: None)
+                         "bevy,on_demand,prefetch,bevy_verify_always", "--buffered"]), lambda _line: None)
     assert out["io"] == {"requested": "buffered", "effective": "buffered", "fallback_reason": None}
     assert out["o_direct"] is False and "speedup_refused" not in out
     res = out["results"]
@@ -276,16 +276,16 @@ def test_moe_bench_reports_speedups_of_a_buffered_run_asked_for():
                                                         abs=1e-3)
     assert "overlap_bound" not in out  # no resident run, no bound
     # the variant beside Bevy: its own cell, its ratio over Bevy's, Bevy's answers
-    assert out["verify_first_over_bevy"] == pytest.approx(
-        res["bevy_verify_first"]["2"]["tok_s"] / res["bevy"]["2"]["tok_s"], abs=1e-3)
-    assert res["bevy_verify_first"]["2"]["same_tokens_as_on_demand"] == res["bevy"]["2"]["same_tokens_as_on_demand"]
+    assert out["bevy_over_verify_always"] == pytest.approx(
+        res["bevy"]["2"]["tok_s"] / res["bevy_verify_always"]["2"]["tok_s"], abs=1e-3)
+    assert res["bevy_verify_always"]["2"]["same_tokens_as_on_demand"] == res["bevy"]["2"]["same_tokens_as_on_demand"]
 
 
-def test_the_verify_first_variant_is_bevy_checking_first_reads_only(tiny_store):
+def test_the_verify_always_variant_is_bevy_checking_every_read(tiny_store):
     from engine.bench._moe_runs import open_engine
     from engine.moe.scheduler import BevyScheduler
 
-    for sched, verify in (("bevy", "always"), ("bevy_verify_first", "first")):
+    for sched, verify in (("bevy", "first"), ("bevy_verify_always", "always")):
         engine = open_engine(tiny_store, "tiny", sched, None, 2, True)
         try:
             assert isinstance(engine.scheduler, BevyScheduler) and engine.store.config.verify == verify

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from engine.moe.convert import convert
 from engine.moe.engine import MoEConfig, MoEEngine
 from engine.moe.store import (ALIGN, BLOB_FILE, INDEX_FILE, REST_FILE, ChecksumError, ExpertStore,
                               aligned_buffer)
+from engine.platform import read_checks
 from engine.protocol.messages import GenerateRequest, SamplingParams
 
 
@@ -93,6 +95,29 @@ def test_corrupted_blob_is_caught_on_read(moe_model, tmp_path):
     with pytest.raises(ChecksumError, match="expert 2 of layer 0 is corrupted"):
         store.read_into((0, 2), aligned_buffer(store.index.blob_bytes))
     store.read_into((0, 3), aligned_buffer(store.index.blob_bytes))  # the others are fine
+
+
+def test_a_blob_damaged_after_its_first_check_is_caught_on_the_next_read(moe_model, tmp_path, monkeypatch):
+    # by default a blob is checked on its first read only -- and again once its file changed
+    monkeypatch.setattr(read_checks, "SETTLE_S", 0.0)  # the copied store counts as settled at once
+    _path, store_dir = moe_model("mixtral")
+    good = tmp_path / "store"
+    shutil.copytree(store_dir, good)
+    store = ExpertStore(good)
+    buf = aligned_buffer(store.index.blob_bytes)
+    for _ in range(2):
+        store.read_into((0, 2), buf)
+    assert (store.reads, store.checksums) == (2, 1)  # the re-read was not checked: the file had not changed
+    time.sleep(0.05)  # past the file time stamps' granularity
+    offset = store.index.blobs[(0, 2)].offset
+    with open(good / BLOB_FILE, "r+b") as f:  # one bit flipped in place, while the store is open
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ChecksumError, match="expert 2 of layer 0 is corrupted"):
+        store.read_into((0, 2), buf)
+    store.close()
 
 
 @pytest.mark.parametrize("scheduler", ["bevy", "on_demand", "prefetch", "resident"])

@@ -1,7 +1,11 @@
 """The bundle store: round trip, coalescing, and a damaged file detected."""
 
+import time
+
 import numpy as np
 import pytest
+
+from engine.platform import read_checks
 
 from engine.sparse.store import ALIGN, BundleStore, StoreConfig, CorruptStoreError, build_store, coalesce
 from engine.sparse.weights import MappedWeights, ffn_layout
@@ -56,3 +60,27 @@ def test_damaged_bundle_file_is_detected(tmp_path, demo_dir):
         fh.truncate(store.stride * 3)
     with pytest.raises(CorruptStoreError, match="wrong size"):
         BundleStore(tmp_path / "s")
+
+
+def test_a_bundle_damaged_after_its_first_check_is_caught_on_the_next_read(tmp_path, demo_dir, monkeypatch):
+    # by default a bundle is checked on its first read only -- and again once its file changed
+    monkeypatch.setattr(read_checks, "SETTLE_S", 0.0)  # the new store counts as settled at once
+    path = demo_dir("demo")
+    build_store(MappedWeights(path), ffn_layout(path), tmp_path / "s", "full")
+    store = BundleStore(tmp_path / "s")
+    try:
+        store.read(1, np.array([6, 7]))
+        store.read(1, np.array([7, 8]))
+        assert store.stats.checked == 3  # 6, 7, 8: the re-read of 7 was not checked
+        time.sleep(0.05)  # past the file time stamps' granularity
+        off = 7 * store.stride + 100
+        with open(store.file(1), "r+b") as fh:  # one byte of neuron 7 changed in place, store open
+            fh.seek(off)
+            b = fh.read(1)
+            fh.seek(off)
+            fh.write(bytes([b[0] ^ 0xFF]))
+        store.read(2, np.array([7]))  # another layer's file did not change
+        with pytest.raises(CorruptStoreError, match="neuron 7 fails its checksum"):
+            store.read(1, np.array([7]))
+    finally:
+        store.close()
