@@ -37,7 +37,9 @@ same engine, prompts of about the same length, answers of the same length),
 constrained_extra_ms_per_token the extra wall time per token of one answer --
 the constrained-decoding overhead a user of the API sees, mask and grammar included.
 
-Figures are medians over rounds (--rounds); ratios are taken per round, as above. Random weights: the text
+Figures are medians over rounds (--rounds); ratios are taken per round, as above, and each
+row also gives their min and max over the rounds and the share of rounds in which the engine
+was ahead of the first (`rounds_ahead_of_first_engine`). Random weights: the text
 is gibberish of a fixed length, which is all a scheduler sees.
 """
 
@@ -218,8 +220,13 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         rows = []
         for li, c in enumerate(levels):
             cells = [rd[kind]["levels"][li] for rd in per_round]
+            ratios = [x["over_first_engine"] for x in cells]
             rows.append({"concurrency": c, **{key: statistics.median(x[key] for x in cells) for key in (
-                "aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "over_first_engine", "same_as_first_engine")}})
+                "aggregate_tok_s", "ttft_p50_s", "ttft_p95_s", "over_first_engine", "same_as_first_engine")},
+                # the rounds' spread: a gap between engines is told from the VM's drift only where
+                # most rounds agree on its sign
+                "over_first_engine_min": min(ratios), "over_first_engine_max": max(ratios),
+                "rounds_ahead_of_first_engine": round(sum(x > 1.0 for x in ratios) / len(ratios), 3)})
         figures[kind] = {"levels": rows, "load_s": round(load_s[kind], 2)}
         if "constrained_levels" in per_round[0][kind]:
             figures[kind]["constrained"] = [_constrained(per_round, kind, li, c) for li, c in enumerate(levels)]

@@ -140,5 +140,20 @@ def _serve_rows(i: int, c: int) -> tuple[Row, ...]:
 SERVE = Table("api-serve", ("several users on one PC", "measured", "how"),
               tuple(r for i, c in enumerate((1, 4, 8, 16)) for r in _serve_rows(i, c)))
 
+# One request at a time, where the local engine and LLMPipeline are closest: more rounds, two engines.
+S1 = "serve-c1"
+S1HOW = ("`flotilla bench serve --engines local,llm-pipeline --concurrency 1 --rounds 12` (the same model "
+         "and requests as above; 12 rounds per run)")
+_LOCAL1, _LLM1 = f"{S1}:figures.local.levels.0", f"{S1}:figures.llm-pipeline.levels.0"
+SERVE_C1 = Table("api-serve-c1", ("one request at a time, 12 rounds a run", "measured", "how"), (
+    Row("local engine", "{%s.aggregate_tok_s|f1} tok/s; TTFT p50 {%s.ttft_p50_s|f2} s" % (_LOCAL1, _LOCAL1), S1HOW),
+    Row("openvino_genai LLMPipeline", "{%s.aggregate_tok_s|f1} tok/s; TTFT p50 {%s.ttft_p50_s|f2} s" % (_LLM1, _LLM1),
+        S1HOW),
+    Row("LLMPipeline over the local engine (tok/s, its burst over the mean of the local engine's just before and "
+        "after): the median of a run's rounds; their lowest and highest; the share of rounds it was ahead",
+        "{%s.over_first_engine|x}; {%s.over_first_engine_min|x} to {%s.over_first_engine_max|x}; "
+        "{%s.rounds_ahead_of_first_engine|pct}" % (_LLM1, _LLM1, _LLM1, _LLM1), S1HOW),
+))
+
 FILE = REPO_ROOT / "docs" / "api.md"
-TABLES = (GRAMMAR, PROMPT_CACHE, SERVE)
+TABLES = (GRAMMAR, PROMPT_CACHE, SERVE, SERVE_C1)

@@ -57,8 +57,12 @@ def test_serve_bench_runs_every_engine_at_every_concurrency(demo_dir, tmp_path):
     assert [row["concurrency"] for row in out["figures"]["local"]["constrained"]] == [1, 3]
     assert all(row["constrained_over_free"] > 0 for row in out["figures"]["local"]["constrained"])
     for kind, fig in out["figures"].items():
-        for row in fig["levels"]:
+        for li, row in enumerate(fig["levels"]):
             assert 0 <= row["same_as_first_engine"] <= 1 and row["aggregate_tok_s"] > 0
+            # the rounds' spread of the ratio, and the share of rounds the engine was ahead
+            ratios = [rd[kind]["levels"][li]["over_first_engine"] for rd in out["per_round"]]
+            assert (row["over_first_engine_min"], row["over_first_engine_max"]) == (min(ratios), max(ratios))
+            assert row["rounds_ahead_of_first_engine"] == sum(x > 1 for x in ratios) / len(ratios)
             if kind == out["engines"][0]:
                 assert row["over_first_engine"] == 1.0 and row["same_as_first_engine"] == 1.0
     assert set(out["fastest"]) == {"1", "3"} and set(out["fastest"].values()) <= set(ENGINES)
