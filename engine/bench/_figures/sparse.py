@@ -91,7 +91,7 @@ SPARSE_HEADLINE = Table("sparse-headline", ("what", "figure", "how"), (
     Row("ahead prefetch precision at run time", _f("prefetch_precision_runtime", "f2"), Q),
     Row("ours, time per token",
         f"{_f('time_per_token_ms_ours.total', 'f0')} ms = {_f('time_per_token_ms_ours.io_wait', 'f0')} ms waiting "
-        f"for I/O + {_f('time_per_token_ms_ours.crc_verify', 'f0')} ms checksums + "
+        f"for I/O + {_f('time_per_token_ms_ours.crc_verify', 'f1')} ms checksums + "
         f"{_f('time_per_token_ms_ours.other_compute_and_python', 'f0')} ms compute and Python", Q),
     Row("all-resident sparse floor, time per token", f"{_f('time_per_token_ms_ours.all_resident_sparse_floor', 'f0')} ms",
         Q),
