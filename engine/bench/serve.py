@@ -15,16 +15,23 @@ first engine (the one the others are compared with; the local engine by default)
 and after each of the others, whose order reverses from one concurrency to the next:
 local, loop, local, batched, local, llm-pipeline, local. Each other engine answers the
 prompts of the first engine's burst just before it (one engine never sees another's
-cache); each of the first engine's bursts has prompts of its own (none is in its prompt
-cache). A shared VM's speed drifts by more than the gaps between engines from one
-minute to the next, so each ratio compares an engine with the first engine's two
-bursts around it, seconds apart. Per concurrency:
+cache); each of an engine's bursts in a round has prompts of its own (none is in its
+prompt cache). In odd rounds the places swap: each other engine runs before and after
+the first, which answers the prompts of that engine's burst just before it (loop, local,
+loop, batched, local, batched, ...). A shared VM's speed drifts by more than the gaps
+between engines from one minute to the next, so each ratio compares two engines' bursts
+seconds apart: an engine's burst over the mean of the first engine's two around it, or
+the mean of its own two over the first engine's between them. The swap is there because a place in
+the order need not be neutral (the engine between the other's bursts always runs right
+after the other, which may leave the machine in another state than its own burst
+does): swapping every other round gives each engine of a pair each place in half the
+rounds. Per concurrency:
 
 - aggregate_tok_s: completion tokens of all c answers / wall time from sending the
   first to the last answer's end (the first engine's: the median of its bursts);
 - ttft_s p50 / p95 over the c requests (request sent -> first content chunk);
-- over_first_engine: aggregate_tok_s over the mean of the first engine's bursts just
-  before and after it;
+- over_first_engine: aggregate_tok_s over the first engine's, from the bursts around
+  (above), the median over rounds;
 - same_as_first_engine: the share of answers whose text equals the first engine's
   answer to the same prompt (greedy; bf16 math on two kernels can part late in an answer).
 
@@ -108,18 +115,54 @@ def _turns(engines: list[str], r: int, li: int) -> list[str]:
 
 
 def _order(engines: list[str], r: int, li: int) -> list[tuple[str, int]]:
-    """One concurrency's free bursts, as (engine, prompt slot): the first engine (the one
-    the others are compared with) before and after each other engine, which answers the
-    prompts of the first engine's burst just before it (module doc)."""
+    """One concurrency's free bursts, as (engine, prompt slot). Even rounds: the first
+    engine (the one the others are compared with) before and after each other engine,
+    which answers the prompts of the first engine's burst just before it. Odd rounds: each
+    other engine before and after the first, which answers the prompts of that engine's
+    burst just before it. So neither engine of a pair always has the place between the
+    other's bursts (module doc)."""
     base, others = engines[0], _turns(engines[1:], r, li)
+    if r % 2 == 1:
+        return [turn for slot, kind in enumerate(others)
+                for turn in ((kind, 2 * slot), (base, 2 * slot), (kind, 2 * slot + 1))]
     order = [(base, 0)]
     for slot, kind in enumerate(others):
         order += [(kind, slot), (base, slot + 1)]
     return order
 
 
+def _same(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """The share of two bursts' answers (to the same prompts) whose texts are equal."""
+    return sum(x == y for x, y in zip(a["texts"], b["texts"])) / len(a["texts"])
+
+
+def _compared(bursts: list[tuple[str, dict[str, Any]]], base: str, odd: bool) -> list[tuple[str, dict[str, Any]]]:
+    """Each other engine's cell at one concurrency, its ratio over the first engine taken
+    from the bursts around it (even rounds: the first engine's two around its burst; odd
+    rounds: its own two around the first engine's), in the order they ran."""
+    if odd:
+        cells = []
+        for i in range(1, len(bursts), 3):
+            (kind, first), (_base, middle), (_kind, second) = bursts[i - 1:i + 2]
+            cell = _base_cell([first, second])
+            cell["over_first_engine"] = round(cell["aggregate_tok_s"] / middle["aggregate_tok_s"], 4)
+            cell["same_as_first_engine"] = _same(middle, first)
+            cells.append((kind, cell))
+        return cells
+    cells = []
+    for i, (kind, row) in enumerate(bursts):
+        if kind != base:
+            before, after = bursts[i - 1][1], bursts[i + 1][1]
+            row["over_first_engine"] = round(
+                row["aggregate_tok_s"] / statistics.mean((before["aggregate_tok_s"], after["aggregate_tok_s"])), 4)
+            row["same_as_first_engine"] = _same(row, before)
+            cells.append((kind, row))
+    return cells
+
+
 def _base_cell(bursts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first engine at one concurrency in one round: the median of its bursts."""
+    """An engine's bursts at one concurrency in one round as one cell: the median of its
+    bursts (the first engine's; in odd rounds, each other engine's two)."""
     def med(key: str) -> float:
         return statistics.median(b[key] for b in bursts)
 
@@ -145,14 +188,8 @@ def _round(served: dict[str, tuple[str, Any]], client: Child, engines: list[str]
             bursts.append((kind, row))
             report(f"  {kind} c={c}: {row['aggregate_tok_s']:.2f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f} s "
                    f"p95 {row['ttft_p95_s']:.2f} s")
-        for i, (kind, row) in enumerate(bursts):
-            if kind == base:
-                continue
-            before, after = bursts[i - 1][1], bursts[i + 1][1]
-            row["over_first_engine"] = round(
-                row["aggregate_tok_s"] / statistics.mean((before["aggregate_tok_s"], after["aggregate_tok_s"])), 4)
-            row["same_as_first_engine"] = sum(a == b for a, b in zip(row["texts"], before["texts"])) / c
-            out[kind]["levels"].append(row)
+        for kind, cell in _compared(bursts, base, odd=r % 2 == 1):
+            out[kind]["levels"].append(cell)
         out[base]["levels"].append(_base_cell([row for kind, row in bursts if kind == base]))
     schema_engines = [k for k in engines if "response_format" not in served[k][1].info.unsupported]
     for li, c in enumerate(levels):

@@ -115,6 +115,12 @@ class PagedModel:
     def run(self, work: Sequence[SeqWork]) -> np.ndarray:
         """One forward pass over every sequence's new ids; the logits rows each asked for,
         in order: float32 [rows, vocab] (a copy)."""
+        self.start(work)
+        return self.result()
+
+    def start(self, work: Sequence[SeqWork]) -> None:
+        """Begin the pass run() makes and return at once: OpenVINO's threads compute it,
+        without the GIL, while the caller does other work; result() waits for it."""
         ids, positions, past, begins, table, table_begins, rows = [], [], [], [0], [], [0], []
         for w in work:
             n = len(w.ids)
@@ -136,7 +142,14 @@ class PagedModel:
                 "block_indices_begins": np.asarray(table_begins, dtype=np.int32),
                 "max_context_len": np.asarray(max(w.past + len(w.ids) for w in work), dtype=np.int32),
                 SAMPLED: np.asarray(rows, dtype=np.int64)}
-        self.request.infer({k: v for k, v in feed.items() if k in self.input_names})
+        # the inputs are copied into the request's own tensors (share_inputs off): these
+        # arrays may go while the pass runs
+        self.request.start_async({k: v for k, v in feed.items() if k in self.input_names})
+
+    def result(self) -> np.ndarray:
+        """Wait for the pass start() began; its logits rows, float32 [rows, vocab] (a copy).
+        A pass that failed raises here."""
+        self.request.wait()
         out = self.request.get_output_tensor(0).data  # [rows, 1, vocab]
         return np.array(out[:, -1, :], dtype=np.float32)
 

@@ -149,8 +149,9 @@ SERVE_C1 = Table("api-serve-c1", ("one request at a time, 12 rounds a run", "mea
     Row("local engine", "{%s.aggregate_tok_s|f1} tok/s; TTFT p50 {%s.ttft_p50_s|f2} s" % (_LOCAL1, _LOCAL1), S1HOW),
     Row("openvino_genai LLMPipeline", "{%s.aggregate_tok_s|f1} tok/s; TTFT p50 {%s.ttft_p50_s|f2} s" % (_LLM1, _LLM1),
         S1HOW),
-    Row("LLMPipeline over the local engine (tok/s, its burst over the mean of the local engine's just before and "
-        "after): the median of a run's rounds; their lowest and highest; the share of rounds it was ahead",
+    Row("LLMPipeline over the local engine (tok/s; in even rounds its burst over the mean of the local engine's "
+        "just before and after, in odd rounds the mean of its two over the local engine's between them): the median "
+        "of a run's rounds; their lowest and highest; the share of rounds it was ahead",
         "{%s.over_first_engine|x}; {%s.over_first_engine_min|x} to {%s.over_first_engine_max|x}; "
         "{%s.rounds_ahead_of_first_engine|pct}" % (_LLM1, _LLM1, _LLM1, _LLM1), S1HOW),
 ))

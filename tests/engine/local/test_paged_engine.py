@@ -3,7 +3,8 @@ model at f32: greedy answers equal transformers' token for token alone, batched,
 when the pool is too small for all of them (preemption); logprobs and their
 alternatives are transformers'; a follow-up prompt re-uses an ended answer's blocks
 (prompt caching) with the same answer; speculation gives the plain answer; cancel
-gives the blocks back; the local kind opens it, and falls back to the loop."""
+gives the blocks back, and cancelling one of two answers leaves the other as it was;
+the local kind opens it, and falls back to the loop."""
 
 from __future__ import annotations
 
@@ -127,6 +128,24 @@ def test_cancel_gives_the_blocks_back(engine):
             assert ev.finish_reason == "cancelled" and ev.usage.completion_tokens < 400
     assert engine.pool.available == free
     assert collect(engine.generate(req("after", max_tokens=3, ignore_eos=True)))[2].finish_reason == "length"
+
+
+def test_cancelling_one_of_two_answers_ends_its_stream_and_leaves_the_other_as_it_was(engine, demo_path):
+    # a pass's events are sent while the next pass computes: a cancel between two passes must
+    # still end the stream after every token it had, and the other answer must not notice
+    keep = engine.submit(req("keep", PROMPTS[2], ignore_eos=True))
+    drop = engine.submit(req("drop", PROMPTS[1], max_tokens=400, ignore_eos=True))
+    events = []
+    for ev in engine.stream(drop, timeout=60):
+        events.append(ev)
+        if len(events) == 3:
+            engine.cancel(drop)
+    assert events[-1].final and events[-1].finish_reason == "cancelled"
+    assert not any(e.final for e in events[:-1]) and 3 <= len(events) - 1 < 400
+    assert events[-1].usage.completion_tokens == sum(len(e.token_ids) for e in events)
+    got, _, final = collect(engine.stream(keep, timeout=120))
+    ids = chat_ids(engine.tokenizer, PROMPTS[2])
+    assert got == reference_greedy(demo_path, ids, N, ignore_eos=True) and final.finish_reason == "length"
 
 
 def test_the_local_kind_opens_it_and_falls_back_to_the_loop(demo_path, monkeypatch):
