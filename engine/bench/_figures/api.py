@@ -156,5 +156,26 @@ SERVE_C1 = Table("api-serve-c1", ("one request at a time, 12 rounds a run", "mea
         "{%s.rounds_ahead_of_first_engine|pct}" % (_LLM1, _LLM1, _LLM1, _LLM1), S1HOW),
 ))
 
+# Several requests, where continuous batching is the engine to beat: the two alone, more rounds.
+SB = "serve-batched"
+SBHOW = ("`flotilla bench serve --engines local,batched --concurrency 4,8,16 --rounds 6` (the same model and "
+         "requests as above; 6 rounds per run)")
+
+
+def _batched_rows(i: int, c: int) -> tuple[Row, ...]:
+    local, cb = f"{SB}:figures.local.levels.{i}", f"{SB}:figures.batched.levels.{i}"
+    fig = "{%s.aggregate_tok_s|f1} tok/s in all; TTFT p50 {%s.ttft_p50_s|f2} s, p95 {%s.ttft_p95_s|f2} s"
+    return (Row(f"{c} concurrent requests: local engine", fig % (local, local, local), SBHOW),
+            Row(f"{c} concurrent requests: openvino_genai continuous batching", fig % (cb, cb, cb), SBHOW),
+            Row(f"{c} concurrent requests: continuous batching over the local engine (tok/s, as in the table "
+                "above): the median of a run's rounds; their lowest and highest; the share of rounds it was "
+                "ahead; same answers",
+                "{%s.over_first_engine|x}; {%s.over_first_engine_min|x} to {%s.over_first_engine_max|x}; "
+                "{%s.rounds_ahead_of_first_engine|pct}; {%s.same_as_first_engine|pct}" % (cb, cb, cb, cb, cb), SBHOW))
+
+
+SERVE_BATCHED = Table("api-serve-batched", ("several requests at once, 6 rounds a run", "measured", "how"),
+                      tuple(r for i, c in enumerate((4, 8, 16)) for r in _batched_rows(i, c)))
+
 FILE = REPO_ROOT / "docs" / "api.md"
-TABLES = (GRAMMAR, PROMPT_CACHE, SERVE, SERVE_C1)
+TABLES = (GRAMMAR, PROMPT_CACHE, SERVE, SERVE_C1, SERVE_BATCHED)
