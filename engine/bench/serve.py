@@ -21,11 +21,11 @@ the first, which answers the prompts of that engine's burst just before it (loop
 loop, batched, local, batched, ...). A shared VM's speed drifts by more than the gaps
 between engines from one minute to the next, so each ratio compares two engines' bursts
 seconds apart: an engine's burst over the mean of the first engine's two around it, or
-the mean of its own two over the first engine's between them. The swap is there because a place in
-the order need not be neutral (the engine between the other's bursts always runs right
-after the other, which may leave the machine in another state than its own burst
-does): swapping every other round gives each engine of a pair each place in half the
-rounds. Per concurrency:
+the mean of its own two over the first engine's between them. The swap is there because
+a place in the order need not be neutral (the engine between the other's bursts always
+runs right after the other, which may leave the machine in another state than its own
+burst does): swapping every other round gives each engine of a pair each place in half
+the rounds. Per concurrency:
 
 - aggregate_tok_s: completion tokens of all c answers / wall time from sending the
   first to the last answer's end (the first engine's: the median of its bursts);
