@@ -140,8 +140,8 @@ def _compared(bursts: list[tuple[str, dict[str, Any]]], base: str, odd: bool) ->
     """Each other engine's cell at one concurrency, its ratio over the first engine taken
     from the bursts around it (even rounds: the first engine's two around its burst; odd
     rounds: its own two around the first engine's), in the order they ran."""
+    cells = []
     if odd:
-        cells = []
         for i in range(1, len(bursts), 3):
             (kind, first), (_base, middle), (_kind, second) = bursts[i - 1:i + 2]
             cell = _base_cell([first, second])
@@ -149,7 +149,6 @@ def _compared(bursts: list[tuple[str, dict[str, Any]]], base: str, odd: bool) ->
             cell["same_as_first_engine"] = _same(middle, first)
             cells.append((kind, cell))
         return cells
-    cells = []
     for i, (kind, row) in enumerate(bursts):
         if kind != base:
             before, after = bursts[i - 1][1], bursts[i + 1][1]

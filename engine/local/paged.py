@@ -193,8 +193,7 @@ class PagedEngine(TurnEngine):
             rows = self.model.result()
         except Exception as e:  # the pass failed: every request in it ends with the error
             log.exception("paged forward pass failed")
-            self._flush()
-            for gen, _w in batch:
+            for gen, _w in batch:  # _end sends the held events first
                 self._end(gen, finished(gen, "error", error=one_line(e)))
             return [g for g, _w in batch]
         ended, row = [], 0

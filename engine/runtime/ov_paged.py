@@ -112,15 +112,10 @@ class PagedModel:
         for name, kind, shape in self._caches:
             self.request.set_tensor(name, ov.Tensor(kind, [self.blocks, *shape]))
 
-    def run(self, work: Sequence[SeqWork]) -> np.ndarray:
-        """One forward pass over every sequence's new ids; the logits rows each asked for,
-        in order: float32 [rows, vocab] (a copy)."""
-        self.start(work)
-        return self.result()
-
     def start(self, work: Sequence[SeqWork]) -> None:
-        """Begin the pass run() makes and return at once: OpenVINO's threads compute it,
-        without the GIL, while the caller does other work; result() waits for it."""
+        """Begin one forward pass over every sequence's new ids and return at once:
+        OpenVINO's threads compute it, without the GIL, while the caller does other work;
+        result() waits for it."""
         ids, positions, past, begins, table, table_begins, rows = [], [], [], [0], [], [0], []
         for w in work:
             n = len(w.ids)
@@ -147,8 +142,8 @@ class PagedModel:
         self.request.start_async({k: v for k, v in feed.items() if k in self.input_names})
 
     def result(self) -> np.ndarray:
-        """Wait for the pass start() began; its logits rows, float32 [rows, vocab] (a copy).
-        A pass that failed raises here."""
+        """Wait for the pass start() began; the logits rows each sequence asked for, in
+        order, float32 [rows, vocab] (a copy). A pass that failed raises here."""
         self.request.wait()
         out = self.request.get_output_tensor(0).data  # [rows, 1, vocab]
         return np.array(out[:, -1, :], dtype=np.float32)

@@ -109,6 +109,8 @@ PROMPT_CACHE = Table("api-prompt-cache", ("a chat's second turn after a long his
 ))
 
 S = "serve"
+# one engine's cell of a serve set: aggregate tok/s and TTFT (its figures key, three times)
+SERVE_FIG = "{%s.aggregate_tok_s|f1} tok/s in all; TTFT p50 {%s.ttft_p50_s|f2} s, p95 {%s.ttft_p95_s|f2} s"
 SHOW = ("`flotilla bench serve` (0.9 B random Llama, bf16, default precision; streaming chat requests of "
         "32 greedy tokens through the API from a client process; every engine open at once; each other "
         "engine's burst between two of the local engine's, its ratio over their mean; 3 rounds per run)")
@@ -116,18 +118,17 @@ SHOW = ("`flotilla bench serve` (0.9 B random Llama, bf16, default precision; st
 
 def _serve_rows(i: int, c: int) -> tuple[Row, ...]:
     local = f"{S}:figures.local.levels.{i}"
-    fig = "{%s.aggregate_tok_s|f1} tok/s in all; TTFT p50 {%s.ttft_p50_s|f2} s, p95 {%s.ttft_p95_s|f2} s"
     users = f"{c} concurrent request{'s' if c > 1 else ''}"
 
     def beside(kind: str, label: str) -> Row:
         k = f"{S}:figures.{kind}.levels.{i}"
-        return Row(f"{users}: {label}", fig % (k, k, k) + "; {%s.over_first_engine|x} the local engine's tok/s "
+        return Row(f"{users}: {label}", SERVE_FIG % (k, k, k) + "; {%s.over_first_engine|x} the local engine's tok/s "
                    "(its bursts just before and after); same answers as it: {%s.same_as_first_engine|pct}" % (k, k),
                    SHOW)
 
     held = f"{S}:figures.local.constrained.{i}"
     return (Row(f"{users}: local engine (every request in one forward pass, paged KV cache)",
-                fig % (local, local, local), SHOW),
+                SERVE_FIG % (local, local, local), SHOW),
             Row(f"{users}: local engine, every answer held to a JSON schema (constrained decoding)",
                 "{%s.aggregate_tok_s|f1} tok/s in all; {%s.constrained_over_free|x} its free answers' tok/s; "
                 "{%s.constrained_extra_ms_per_token|f2} ms more per token of an answer (below the runs' noise "
@@ -164,9 +165,8 @@ SBHOW = ("`flotilla bench serve --engines local,batched --concurrency 4,8,16 --r
 
 def _batched_rows(i: int, c: int) -> tuple[Row, ...]:
     local, cb = f"{SB}:figures.local.levels.{i}", f"{SB}:figures.batched.levels.{i}"
-    fig = "{%s.aggregate_tok_s|f1} tok/s in all; TTFT p50 {%s.ttft_p50_s|f2} s, p95 {%s.ttft_p95_s|f2} s"
-    return (Row(f"{c} concurrent requests: local engine", fig % (local, local, local), SBHOW),
-            Row(f"{c} concurrent requests: openvino_genai continuous batching", fig % (cb, cb, cb), SBHOW),
+    return (Row(f"{c} concurrent requests: local engine", SERVE_FIG % (local, local, local), SBHOW),
+            Row(f"{c} concurrent requests: openvino_genai continuous batching", SERVE_FIG % (cb, cb, cb), SBHOW),
             Row(f"{c} concurrent requests: continuous batching over the local engine (tok/s, as in the table "
                 "above): the median of a run's rounds; their lowest and highest; the share of rounds it was "
                 "ahead; same answers",
