@@ -16,7 +16,10 @@ CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + t
 # Benchmark-only variants: a scheduler with one engine setting changed, run beside it.
 # bevy_verify_always: Bevy checking an expert's checksum on every read, not only on its first read
 # and after its file changed (MoEConfig.verify): what checking every read would cost it.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"bevy_verify_always": ("bevy", {"verify": "always"})}
+# bevy_widened: Bevy with every matmul widened to f32 (MoEConfig.compute "f32"): what "auto"'s
+# 16-bit matmuls gain, and (its answers being the exact ones) what they change.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"bevy_verify_always": ("bevy", {"verify": "always"}),
+                                                   "bevy_widened": ("bevy", {"compute": "f32"})}
 
 
 def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: int, direct: bool,

@@ -40,7 +40,12 @@ distance to it and `max_speedup_vs_on_demand` (on_demand's time over the
 bound: what any scheduler that overlaps perfectly could gain over it here).
 The disk rate of the I/O term is the probe's or, when higher, the best rate a
 scheduler of that concurrency got while its reads were in flight
-(`disk_mb_s_used`), so that the bound is a bound.
+(`disk_mb_s_used`), so that the bound is a bound. Overlapping reads with compute slows the
+compute on a small PC (memory bandwidth, a VM's I/O work), so each row also gives the
+stricter bound whose compute term is on_demand's (it reads only while it waits:
+`compute_without_reads_s_per_token`) and Bevy's ratio to it (`bevy_vs_strict_bound`). Where
+prefetch is already so close to the bound that no scheduler could reach the 1.6x goal over
+it, `prefetch_gap` says by how much and why, as `paper_gap` does for on_demand.
 `--schedulers ...,on_demand_overlap` adds the ablation of docs/moe.md
 (on_demand computing each expert as soon as it lands), `...,bevy_guess`
 Bevy reading guessed experts when its disk would idle (`bevy_guess_over_bevy`),
@@ -48,7 +53,10 @@ Bevy reading guessed experts when its disk would idle (`bevy_guess_over_bevy`),
 what its two waves gain; `two_waves_frac` in each cell: the share of request passes
 Bevy started in two waves), `...,bevy_verify_always` Bevy checking each expert's checksum on
 every read (`bevy_over_verify_always`: what the default, a check on an expert's first read
-and again after its file changed, saves over that).
+and again after its file changed, saves over that), `...,bevy_widened` Bevy with every matmul
+widened to f32 (`bevy_over_widened`, `..._by_concurrency`: what the default `compute`'s 16-bit
+matmuls gain; `same_tokens_as_widened` in Bevy's cells: how many of its tokens are the exact
+answer's).
 `mb_unused_per_token`: the bytes read on a guess (prefetch's, bevy_guess's)
 that no request used (`guesses_used_frac`: the share of guessed reads a request used);
 the bound's I/O term counts the bytes Bevy needed. `disk_idle_<phase>_frac`: the share of
@@ -174,7 +182,13 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
 
     store.close()
     disk = statistics.median(disks)
-    computes = sorted({r.pop("compute") for runs in cells.values() for r in runs})
+    ran: set[str] = set()  # how the matmuls ran, bevy_widened's (f32 by design) aside
+    for (sched, _conc), runs in cells.items():
+        for r in runs:
+            how = r.pop("compute")
+            if sched != "bevy_widened":
+                ran.add(how)
+    computes = sorted(ran)
     threads = sorted({r.pop("torch_threads") for runs in cells.values() for r in runs})
     answers = {key: [r.pop("token_ids") for r in runs] for key, runs in cells.items()}
     for (sched, conc), runs in cells.items():  # quality beside speed: the same answers as on_demand's?
@@ -183,6 +197,11 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             continue
         for i, r in enumerate(runs):
             r["same_tokens_as_on_demand"] = round(same_tokens(answers[(sched, conc)][i], ref[i]), 4)
+    for (sched, conc), runs in cells.items():  # Bevy's answers against its exact (widened) ones
+        exact = answers.get(("bevy_widened", conc))
+        if sched == "bevy" and exact is not None:
+            for i, r in enumerate(runs):
+                r["same_tokens_as_widened"] = round(same_tokens(answers[(sched, conc)][i], exact[i]), 4)
     table: dict[str, dict[str, dict[str, float]]] = {}
     for (sched, conc), runs in cells.items():  # a figure some runs lack (guesses_used_frac): over those with it
         keys = dict.fromkeys(k for r in runs for k in r)
@@ -229,16 +248,16 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             out["speedup_vs_on_demand_overlap"] = round(b["tok_s"] / table["on_demand_overlap"][top]["tok_s"], 3)
         if "bevy_guess" in table and top in table["bevy_guess"]:
             out["bevy_guess_over_bevy"] = round(table["bevy_guess"][top]["tok_s"] / b["tok_s"], 3)
-        if "bevy_verify_always" in table and top in table["bevy_verify_always"]:  # what checking every read costs
-            out["bevy_over_verify_always"] = round(b["tok_s"] / table["bevy_verify_always"][top]["tok_s"], 3)
-            out["bevy_over_verify_always_per_repeat"] = [
-                round(x["tok_s"] / y["tok_s"], 3) for x, y in zip(cells[("bevy", int(top))],
-                                                                 cells[("bevy_verify_always", int(top))])]
-        if "bevy_one_wave" in table and top in table["bevy_one_wave"]:  # Bevy over Bevy without its two waves
-            out["bevy_over_one_wave"] = round(b["tok_s"] / table["bevy_one_wave"][top]["tok_s"], 3)
-            out["bevy_over_one_wave_per_repeat"] = [
-                round(x["tok_s"] / y["tok_s"], 3) for x, y in zip(cells[("bevy", int(top))],
-                                                                 cells[("bevy_one_wave", int(top))])]
+        # Bevy over itself with one thing changed: checking every read (what the default saves),
+        # always one wave (what two gain), every matmul widened (what 16-bit matmuls gain)
+        for variant in ("bevy_verify_always", "bevy_one_wave", "bevy_widened"):
+            if variant in table and top in table[variant]:
+                name = "bevy_over_" + variant.removeprefix("bevy_")
+                out[name] = round(b["tok_s"] / table[variant][top]["tok_s"], 3)
+                out[name + "_per_repeat"] = [round(x["tok_s"] / y["tok_s"], 3) for x, y in
+                                             zip(cells[("bevy", int(top))], cells[(variant, int(top))])]
+                out[name + "_by_concurrency"] = {c: round(table["bevy"][c]["tok_s"] / table[variant][c]["tok_s"], 3)
+                                                 for c in map(str, concs) if c in table[variant]}
         if "resident" in table or real:
             bound = {}
             out["compute_bound_from"] = "bevy compute time" if real else "resident run"
@@ -262,6 +281,13 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                 for sched in ("bevy", "on_demand", "prefetch"):
                     row[f"{sched}_s_per_token"] = table[sched][c]["s_per_token"]
                     row[f"{sched}_vs_bound"] = round(max(compute, io) / table[sched][c]["s_per_token"], 3)
+                # The stricter bound: compute as on_demand pays it, with no read in flight (it reads
+                # only while it waits). Reads beside the compute slow it on a small PC (memory
+                # bandwidth, a VM's I/O work): a cost of overlapping that a bound from Bevy's own
+                # compute time leaves out.
+                bare = table["on_demand"][c]["compute_s_per_token"]
+                row["compute_without_reads_s_per_token"] = round(bare, 5)
+                row["bevy_vs_strict_bound"] = round(max(bare, io) / table["bevy"][c]["s_per_token"], 3)
                 bound[c] = row
             out["overlap_bound"] = bound
             top_row = bound[top]
@@ -280,6 +306,8 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
                             f"and shares reads can beat on-demand by more than their ratio on this disk "
                             f"({top_row['disk_mb_s_used']:.0f} MB/s) and CPU"),
                 }
+            if top_row["max_speedup_vs_prefetch"] < out["goals"]["speedup_vs_prefetch"]:
+                out["prefetch_gap"] = _prefetch_gap(top, top_row, out["goals"]["speedup_vs_prefetch"])
     refusal = speedup_refusal(io_rec)
     if refusal:
         refuse_speedups(out, refusal)
@@ -291,6 +319,19 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             shutil.rmtree(folder, ignore_errors=True)
         report("deleted the checkpoint and its expert store (--delete-after)")
     return out
+
+
+def _prefetch_gap(top: str, row: dict[str, Any], goal: float) -> dict[str, Any]:
+    """Why no scheduler can reach `goal` over prefetch on this PC: prefetch is closer to the
+    overlap bound than 1/goal, so even a scheduler at the bound beats it by less."""
+    bound_kind = "I/O" if row["io_s_per_token"] >= row["compute_s_per_token"] else "compute"
+    return {"goal_speedup_vs_prefetch": goal, "max_speedup_vs_prefetch_here": row["max_speedup_vs_prefetch"],
+            "short_by": round(goal / row["max_speedup_vs_prefetch"], 3),
+            "why": (f"at {top} requests prefetch takes {row['prefetch_s_per_token']:.3f} s a token and the overlap "
+                    f"bound max(compute {row['compute_s_per_token']:.3f}, I/O {row['io_s_per_token']:.3f}) is "
+                    f"{row['bound_s_per_token']:.3f} s ({bound_kind}-bound): prefetch already reaches "
+                    f"{row['prefetch_vs_bound']:.0%} of it, so a scheduler at the bound would be "
+                    f"{row['max_speedup_vs_prefetch']:.2f}x prefetch here")}
 
 
 def plot(figures: dict[str, Any], out_png: str) -> None:

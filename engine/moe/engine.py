@@ -42,7 +42,7 @@ from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, decode_one, finished
-from engine.runtime.stored import STORAGE_DTYPES, native_matmul
+from engine.runtime.stored import ALL_ROWS, STORAGE_DTYPES, native_rows
 from engine.runtime.torch_kv import KV_DTYPES, asked_kv_precision
 from engine.core.interface import EngineError, EngineInfo
 from engine.scheduler.inbox import InboxEngine, refuse_waiting
@@ -70,17 +70,19 @@ class MoEConfig:
     torch_threads: int | None = None
     context_length: int | None = None  # cap on prompt + answer; None = the model's, at most DEFAULT_CONTEXT
     # "native": 16-bit weights multiply in their own dtype (f32 accumulation); "f32": widened to
-    # f32 first, exact against transformers in f32; "auto": native where this CPU's torch has a
-    # 16-bit kernel (AVX512-BF16, AMX) and KV is not f32 (exact mode), else f32
+    # f32 first, exact against transformers in f32; "auto" (unless KV is f32, exact mode, then
+    # f32): native where this CPU's torch has a 16-bit kernel (AVX512-BF16, AMX); where it has
+    # not (AVX2), native for a few rows, as a decode step's experts get, and widened for more
+    # (engine/runtime/stored.py)
     compute: str = "auto"
 
-    def native_compute(self, weight_dtype: torch.dtype) -> bool:
-        """Whether matmuls run native (see `compute`) for weights of this dtype."""
+    def native_rows_for(self, weight_dtype: torch.dtype) -> int:
+        """Up to how many rows matmuls run native (see `compute`) for weights of this dtype."""
         if self.compute not in COMPUTES:
             raise EngineError(f"compute must be one of {', '.join(COMPUTES)}, not {self.compute!r}")
         if self.compute == "auto":
-            return self.kv_precision != "f32" and native_matmul(weight_dtype)
-        return self.compute == "native"
+            return 0 if self.kv_precision == "f32" else native_rows(weight_dtype)
+        return ALL_ROWS if self.compute == "native" else 0
 
     @classmethod
     def from_options(cls, options: Any) -> "MoEConfig":
@@ -96,6 +98,14 @@ class MoEConfig:
 
 
 COMPUTES = ("auto", "native", "f32")
+
+
+def compute_name(weight_dtype: str, rows: int) -> str:
+    """How the matmuls run, as `memory["compute"]` and `bench moe` say it: "bf16" (the weights'
+    dtype), "f32" (widened), or "bf16 up to 3 rows, else f32"."""
+    if not rows:
+        return "f32"
+    return weight_dtype if rows == ALL_ROWS else f"{weight_dtype} up to {rows} rows, else f32"
 
 
 class _NoStream:
@@ -132,10 +142,10 @@ class MoEEngine(InboxEngine):
         try:
             self.context_length = engine_context(store_dir, config.context_length)
             report("loading the resident weights", 0.3)
-            native = config.native_compute(STORAGE_DTYPES.get(self.store.index.dtype, torch.float32))
+            native = config.native_rows_for(STORAGE_DTYPES.get(self.store.index.dtype, torch.float32))
             self.model = MoEModel(store_dir, self.store.index, kv_slots=config.max_concurrent,
                                   kv_capacity=self.context_length, kv_dtype=KV_DTYPES[config.kv_precision],
-                                  native=native)
+                                  native_rows=native)
             budget = config.cache_budget_bytes
             if config.scheduler == "resident":  # the upper bound: every expert in RAM
                 budget = self.store.index.total_expert_bytes
@@ -150,7 +160,7 @@ class MoEEngine(InboxEngine):
             self.memory = {"resident_bytes": self.model.resident_bytes(), "kv_reserve_bytes": self.model.kv.nbytes,
                            "cache_budget_bytes": budget, "working_bytes": working, "kv_precision": config.kv_precision,
                            "weights": self.store.index.dtype,
-                           "compute": self.store.index.dtype if native else "f32"}
+                           "compute": compute_name(self.store.index.dtype, native)}
             if config.scheduler == "resident":
                 report("loading every expert", 0.6)
                 self.cache.preload(self.store, self.store.keys)

@@ -167,11 +167,12 @@ class KVPool:
 
 class MoEModel:
     def __init__(self, store_dir: Path, index: StoreIndex, kv_slots: int = 4, kv_capacity: int = 4096,
-                 kv_dtype: torch.dtype = torch.float16, native: bool = False) -> None:
+                 kv_dtype: torch.dtype = torch.float16, native_rows: int = 0) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.index = index
-        self.native = native  # 16-bit weights multiply in their own dtype (engine/runtime/stored.py)
+        # 16-bit weights multiply in their own dtype for up to this many rows (engine/runtime/stored.py)
+        self.native_rows = native_rows
         config = AutoConfig.from_pretrained(store_dir)
         config._attn_implementation = "sdpa"
         self.config = config
@@ -206,7 +207,7 @@ class MoEModel:
             a.q_proj = a.k_proj = a.v_proj = None
         for m in list(self.model.modules()) + self.qkv:
             if isinstance(m, StoredLinear):
-                m.native = native
+                m.native_rows = native_rows
         self._split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         rope = self.model.model.rotary_emb
         self._rope_static = getattr(rope, "rope_type", "default") == "default"
@@ -398,8 +399,9 @@ class MoEModel:
         else:
             rows = torch.cat([b.h.index_select(0, p[0]) for (b, _), p in zip(parts, picks)])
         gate, up = linear(rows, views["gate_up"], views.get("gate_up_scale"),
-                          native=self.native).chunk(2, dim=-1)  # [m, I] each
-        out = linear(self.act(gate) * up, views["down"], views.get("down_scale"), native=self.native)  # [m, H]
+                          native_rows=self.native_rows).chunk(2, dim=-1)  # [m, I] each
+        out = linear(self.act(gate) * up, views["down"], views.get("down_scale"),
+                     native_rows=self.native_rows)  # [m, H]
         start = 0
         for (b, _), (r, f) in zip(parts, picks):
             m = len(r)

@@ -4,19 +4,27 @@ the one matmul over them (`linear`), in one of two ways.
 The torch engines (MoE, sparse) keep a checkpoint's weights as it ships: bf16 stays
 bf16 in RAM, so a model takes its own size and not twice it. A matmul then runs
 
-- widened (`native=False`): the weight widened to float32 `BLOCK_BYTES` at a time
+- widened: the weight widened to float32 `BLOCK_BYTES` at a time
   (the transient stays small even for a 150k-row head or a 14336-wide Mixtral
   expert), times f32 activations. A bf16 weight widens exactly, so the result
   equals transformers computing in f32 on the very same weights, on every CPU:
   what exact mode (`--precision f32`) and the equivalence tests use.
-- native (`native=True`): in the weight's own 16-bit dtype, the activations rounded
-  to it, f32 accumulation in the kernel and an f32 result (what transformers in bf16
-  and llama.cpp do). No f32 copy of the weight is written and read again, so on a
-  CPU that multiplies bf16 in hardware (AVX512-BF16, AMX) it is the faster way for
-  the few rows of a decode step (`flotilla bench moe` records which ran, `compute`).
-  `native_matmul(dtype)` says
-  whether this CPU's torch has such a kernel; where it has not (AVX2 only), a
-  16-bit GEMM is emulated and widening is the faster way.
+- native: in the weight's own 16-bit dtype, the activations rounded
+  to it, f32 accumulation in the kernel and a result rounded to the weight's dtype
+  (what transformers in bf16 and llama.cpp do). No f32 copy of the weight is written
+  and read again.
+
+`linear(..., native_rows=n)` runs native when x has at most n rows, widened
+otherwise. Which n is fastest depends on the CPU (`native_rows(dtype)`):
+- every row count (`ALL_ROWS`) where torch has a 16-bit kernel (oneDNN on
+  AVX512-BF16/AMX, AVX512-FP16): it multiplies the weight as it is;
+- up to `GEMV_ROWS` where it has not (AVX2 only, most PC CPUs): torch then emulates a
+  16-bit GEMM, which is slower than widening for a prefill's many rows, but its path
+  for a few rows reads each 16-bit weight element once and converts it as it goes,
+  while widening writes an f32 copy and reads it again. On an AVX2 AMD EPYC (by hand,
+  a Qwen3-30B-A3B expert), native took about half the widened time for one row and
+  overtook widening between 4 and 5 rows.
+`flotilla bench moe` records which ran (`compute`).
 
 int8 (`quantize_rows`): symmetric, one f32 scale per output row, absmax / 127; always
 widened (the scale applies per row).
@@ -24,11 +32,14 @@ widened (the scale applies per row).
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
 import torch.nn.functional as F
 
+ALL_ROWS = sys.maxsize  # native_rows: every matmul in the weight's own 16-bit dtype
+GEMV_ROWS = 3  # native_rows without a 16-bit kernel: a decode step's few rows (the module doc)
 BLOCK_BYTES = 8 << 20  # f32 bytes of weight widened at once (8 MiB: a few rows of a big matrix)
 STORAGE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 # safetensors dtype names -> torch dtypes (TensorFile reads them; the MoE converter writes them)
@@ -87,13 +98,23 @@ def native_matmul(dtype: torch.dtype) -> bool:
         return False
 
 
+def native_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows of activations a `dtype` weight multiplies fastest in its own
+    dtype on this CPU (0: never, a 32-bit or int8 weight): see the module doc."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    return ALL_ROWS if native_matmul(dtype) else GEMV_ROWS
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-           bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
-    """x [N, in] f32 @ w[out, in].T (+ bias) -> [N, out] f32, w in its storage dtype;
-    `native`: a 16-bit weight multiplies in its own dtype (the module doc)."""
+           bias: torch.Tensor | None = None, native_rows: int = 0) -> torch.Tensor:
+    """x [..., in] f32 @ w[out, in].T (+ bias) -> [..., out] f32, w in its storage dtype;
+    a 16-bit weight multiplies in its own dtype when x has at most `native_rows` rows
+    (the module doc), else widened."""
     if w.dtype == torch.float32 and scale is None:
         return F.linear(x, w, bias)
-    if native and scale is None and w.dtype in (torch.bfloat16, torch.float16):
+    if (native_rows and scale is None and w.dtype in (torch.bfloat16, torch.float16)
+            and x.numel() <= native_rows * w.shape[1]):
         # x copied into fresh row-major storage: a strided x (the last position of a
         # prefill, hidden[:, -1:, :]) sends torch's 16-bit linear down a path that copies
         # the whole weight -- 1 GB for Llama-3-8B's head
@@ -121,11 +142,11 @@ class StoredLinear(torch.nn.Module):
     """nn.Linear's forward over a weight kept in its storage dtype."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, native: bool = False) -> None:
+                 bias: torch.Tensor | None = None, native_rows: int = 0) -> None:
         super().__init__()
         self.weight, self.scale = weight, scale  # plain tensors: never trained, never moved
         self.bias = None if bias is None else bias.float()
-        self.native = native  # multiply in the weight's 16-bit dtype (linear's module doc)
+        self.native_rows = native_rows  # up to this many rows in the weight's 16-bit dtype (the module doc)
 
     @property
     def out_features(self) -> int:
@@ -135,7 +156,7 @@ class StoredLinear(torch.nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.bias) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.scale, self.bias, self.native)
+        return linear(x, self.weight, self.scale, self.bias, self.native_rows)
 
 
 class StoredEmbedding(torch.nn.Module):

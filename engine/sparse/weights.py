@@ -272,9 +272,9 @@ def mixed_linear(x, w):
     (x rounded to the weight dtype, f32 accumulation in the kernel, f32 result),
     the way llama.cpp computes with f16/bf16 weights. No f32 copy of w is made
     (engine/runtime/stored.py's native matmul)."""
-    from engine.runtime.stored import linear
+    from engine.runtime.stored import ALL_ROWS, linear
 
-    return linear(x, w, native=True)
+    return linear(x, w, native_rows=ALL_ROWS)
 
 
 def _module_base():

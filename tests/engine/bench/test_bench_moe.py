@@ -236,12 +236,23 @@ def test_moe_bench_reports_consistent_figures():
             assert row[f"{sched}_s_per_token"] == res[sched][c]["s_per_token"]
             assert row[f"{sched}_vs_bound"] == pytest.approx(row["bound_s_per_token"] / res[sched][c]["s_per_token"],
                                                              rel=2e-2)
+        bare = res["on_demand"][c]["compute_s_per_token"]  # on_demand computes with no read in flight
+        assert row["compute_without_reads_s_per_token"] == pytest.approx(bare, abs=1e-5)
+        strict = max(bare, row["io_s_per_token"])
+        assert row["bevy_vs_strict_bound"] == pytest.approx(strict / res["bevy"][c]["s_per_token"], rel=2e-2)
     assert out["bevy_vs_bound"] == bound["2"]["bevy_vs_bound"]
     if bound["2"]["max_speedup_vs_on_demand"] < moe.PAPER_SPEEDUP_VS_ON_DEMAND:  # the JSON says by how much, why
         gap = out["paper_gap"]
         assert gap["short_by"] == pytest.approx(moe.PAPER_SPEEDUP_VS_ON_DEMAND / gap["max_speedup_vs_on_demand_here"],
                                                 rel=1e-2)
         assert "overlap bound" in gap["why"]
+    goal = out["goals"]["speedup_vs_prefetch"]
+    if bound["2"]["max_speedup_vs_prefetch"] < goal:  # prefetch is too close to the bound for the goal
+        gap = out["prefetch_gap"]
+        assert gap["short_by"] == pytest.approx(goal / bound["2"]["max_speedup_vs_prefetch"], rel=1e-2)
+        assert "overlap bound" in gap["why"] and f"{bound['2']['max_speedup_vs_prefetch']:.2f}x" in gap["why"]
+    else:
+        assert "prefetch_gap" not in out
     assert any("repeat 2/2" in line for line in lines)
 
 
@@ -268,7 +279,8 @@ def test_moe_bench_refuses_speedups_when_o_direct_is_not_in_effect(monkeypatch, 
 
 def test_moe_bench_reports_speedups_of_a_buffered_run_asked_for():
     out = moe.run(_args([*TINY, "--repeats", "1", "--concurrency", "2", "--schedulers",
-                         "bevy,on_demand,prefetch,bevy_verify_always", "--buffered"]), lambda _line: None)
+                         "bevy,on_demand,prefetch,bevy_verify_always,bevy_widened", "--buffered"]),
+                  lambda _line: None)
     assert out["io"] == {"requested": "buffered", "effective": "buffered", "fallback_reason": None}
     assert out["o_direct"] is False and "speedup_refused" not in out
     res = out["results"]
@@ -279,16 +291,25 @@ def test_moe_bench_reports_speedups_of_a_buffered_run_asked_for():
     assert out["bevy_over_verify_always"] == pytest.approx(
         res["bevy"]["2"]["tok_s"] / res["bevy_verify_always"]["2"]["tok_s"], abs=1e-3)
     assert res["bevy_verify_always"]["2"]["same_tokens_as_on_demand"] == res["bevy"]["2"]["same_tokens_as_on_demand"]
+    widened = res["bevy"]["2"]["tok_s"] / res["bevy_widened"]["2"]["tok_s"]
+    assert out["bevy_over_widened"] == pytest.approx(widened, abs=1e-3)
+    assert out["bevy_over_widened_by_concurrency"] == {"2": pytest.approx(widened, abs=1e-3)}
+    assert len(out["bevy_over_widened_per_repeat"]) == 1
+    # f32 weights: "auto" widens them too, so Bevy's answers are the exact ones, and the one
+    # way the matmuls ran is the JSON's `compute`
+    assert res["bevy"]["2"]["same_tokens_as_widened"] == 1.0 and out["compute"] == "f32"
 
 
-def test_the_verify_always_variant_is_bevy_checking_every_read(tiny_store):
+def test_the_variants_are_bevy_with_one_setting_changed(tiny_store):
     from engine.bench._moe_runs import open_engine
     from engine.moe.scheduler import BevyScheduler
 
-    for sched, verify in (("bevy", "first"), ("bevy_verify_always", "always")):
+    for sched, verify, compute in (("bevy", "first", "auto"), ("bevy_verify_always", "always", "auto"),
+                                   ("bevy_widened", "first", "f32")):
         engine = open_engine(tiny_store, "tiny", sched, None, 2, True)
         try:
             assert isinstance(engine.scheduler, BevyScheduler) and engine.store.config.verify == verify
+            assert engine.config.compute == compute
         finally:
             engine.close()
 

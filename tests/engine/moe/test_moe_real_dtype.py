@@ -14,11 +14,14 @@ import pytest
 import torch
 
 from engine.moe import engine as moe_engine
+from engine.moe import model as moe_model
 from engine.moe.convert import convert
 from engine.moe.engine import MoEConfig, MoEEngine
 from engine.moe.recipes import TINY_MIXTRAL_BF16, TINY_QWEN3_MOE_BF16
 from engine.moe.store import BLOB_FILE, REST_FILE, ExpertStore, StoreError, align_up
 from engine.protocol.messages import GenerateRequest, SamplingParams
+from engine.runtime import stored
+from engine.runtime.stored import ALL_ROWS, GEMV_ROWS, linear
 from engine.core.interface import EngineError
 
 RECIPES = {"qwen3_moe": TINY_QWEN3_MOE_BF16, "mixtral": TINY_MIXTRAL_BF16}
@@ -243,8 +246,9 @@ def test_native_compute_multiplies_in_bf16_and_stays_near_the_f32_answer(bf16_mo
     seen: list[np.ndarray] = []
     cfg = MoEConfig(torch_threads=1, max_concurrent=1, context_length=64, compute="native")
     with MoEEngine(store_dir, "t", cfg, logits_hook=lambda _sid, x: seen.append(x.copy())) as eng:
-        assert eng.memory["compute"] == "bf16" and eng.model.native
-        assert all(q.native for q in eng.model.qkv) and eng.model.model.lm_head.native
+        assert eng.memory["compute"] == "bf16" and eng.model.native_rows == ALL_ROWS
+        assert all(q.native_rows == ALL_ROWS for q in eng.model.qkv)
+        assert eng.model.model.lm_head.native_rows == ALL_ROWS
         events = eng.generate(GenerateRequest("n", prompt=PROMPTS[0],
                                               sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
         tok = eng.tokenizer
@@ -257,7 +261,34 @@ def test_native_compute_multiplies_in_bf16_and_stays_near_the_f32_answer(bf16_mo
     assert 0 < err < 0.05, err  # bf16 activations: a rounding, not another model
     with MoEEngine(store_dir, "t", MoEConfig(torch_threads=1, max_concurrent=1, context_length=64,
                                              kv_precision="f32")) as exact:
-        assert exact.memory["compute"] == "f32" and not exact.model.native
+        assert exact.memory["compute"] == "f32" and exact.model.native_rows == 0
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["bf16-kernel", "avx2-only"])
+def test_auto_compute_follows_the_cpu(bf16_model, monkeypatch, kernel):
+    """compute="auto" on a CPU with a bf16 kernel: every matmul may run in bf16. On one
+    without (AVX2, faked here on any CPU): only a decode step's few rows (stored.linear
+    picks by rows, its own tests), so every matmul -- attention, experts, head -- is
+    handed GEMV_ROWS, the prompt's and the answer's alike; the answer completes."""
+    monkeypatch.setattr(stored, "native_matmul", lambda dtype: kernel)
+    calls: list[tuple[int, int]] = []  # (rows, native_rows) of every matmul over a 16-bit weight
+
+    def spy(x, w, scale=None, bias=None, native_rows=0):
+        if w.dtype == torch.bfloat16:
+            calls.append((x.numel() // x.shape[-1], native_rows))
+        return linear(x, w, scale, bias, native_rows)
+
+    monkeypatch.setattr(stored, "linear", spy)  # StoredLinear's matmuls
+    monkeypatch.setattr(moe_model, "linear", spy)  # the experts'
+    _path, store_dir = bf16_model("qwen3_moe")
+    rows = ALL_ROWS if kernel else GEMV_ROWS
+    with MoEEngine(store_dir, "t", MoEConfig(torch_threads=1, max_concurrent=1, context_length=64)) as eng:
+        assert eng.memory["compute"] == ("bf16" if kernel else f"bf16 up to {GEMV_ROWS} rows, else f32")
+        events = eng.generate(GenerateRequest("n", prompt=PROMPTS[0],
+                                              sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert events[-1].error is None and sum(len(e.token_ids) for e in events) == 4
+    assert {n for _r, n in calls} == {rows}
+    assert any(r == 1 for r, _n in calls) and any(r > GEMV_ROWS for r, _n in calls)  # answer steps, prompt
 
 
 def test_an_unknown_compute_is_one_line(bf16_model):
