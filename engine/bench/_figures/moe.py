@@ -1,7 +1,8 @@
 """docs/moe.md's figure tables (see engine/bench/_figures/__init__.py for the rules).
 
-Two sources: `moe-quick` (Qwen3-30B-A3B shapes, `flotilla bench moe --quick`) and
-`moe-mixtral` (Mixtral-8x7B shapes). The per-scheduler and overlap-bound tables have more
+Three sources: `moe-quick` (Qwen3-30B-A3B shapes, `flotilla bench moe --quick`, on a CPU
+with a bf16 kernel), `moe-quick-avx2` (the same on an AVX2-only CPU, with Bevy widened to f32
+beside it) and `moe-mixtral` (Mixtral-8x7B shapes). The per-scheduler and overlap-bound tables have more
 than three columns: a row's figure then holds several cells separated by " | ", and the
 header names every column (the first is the row's `what`, the last its `how`).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from engine.bench._report import REPO_ROOT, Row, Table
 
 SOURCES = {"moe-quick": "`flotilla bench moe --quick`",
+           "moe-quick-avx2": "`flotilla bench moe --quick --schedulers bevy,on_demand,prefetch,bevy_widened`",
            "moe-mixtral": "`flotilla bench moe --shape mixtral-8x7b --tokens 8`"}
 SCHEDULERS = ("bevy", "on_demand", "prefetch")
 CONCURRENCY = ("1", "4", "16")
@@ -49,6 +51,7 @@ def _headline(src: str) -> Table:
         *(_guess(src) if src in RUNS_GUESS else ()),
         *(_one_wave(src) if src in RUNS_ONE_WAVE else ()),
         *(_verify_always(src) if src in RUNS_VERIFY_ALWAYS else ()),
+        *(_widened(src) if src in RUNS_WIDENED else ()),
     ))
 
 
@@ -93,14 +96,30 @@ def _verify_always(src: str) -> tuple[Row, ...]:
                 f"{_f(src, p + 'compute_s_per_token', 'ms')}", how),)
 
 
+# Sources whose runs include bevy_widened (Bevy with every matmul widened to f32).
+RUNS_WIDENED = ("moe-quick-avx2",)
+
+
+def _widened(src: str) -> tuple[Row, ...]:
+    how = SOURCES[src]
+    by = "bevy_over_widened_by_concurrency."
+    same = "results.bevy.{c}.same_tokens_as_widened"
+    return (Row("Bevy (`compute` auto) over `bevy_widened` (every matmul widened to f32): what the 16-bit "
+                "matmuls gain, at 1; 4; 16 requests",
+                "; ".join(_f(src, by + c, "x") for c in CONCURRENCY), how),
+            Row("Bevy's tokens equal to `bevy_widened`'s (the exact answers) at 1; 4; 16 requests",
+                "; ".join(_f(src, same.format(c=c), "pct") for c in CONCURRENCY), how))
+
+
 def _ablations(src: str) -> tuple[str, ...]:
     """The ablation schedulers a source's runs include, for its per-scheduler tables."""
     return ((("bevy_guess",) if src in RUNS_GUESS else ()) + (("bevy_one_wave",) if src in RUNS_ONE_WAVE else ())
-            + (("bevy_verify_always",) if src in RUNS_VERIFY_ALWAYS else ()))
+            + (("bevy_verify_always",) if src in RUNS_VERIFY_ALWAYS else ())
+            + (("bevy_widened",) if src in RUNS_WIDENED else ()))
 
 
 # Sources whose runs record how the matmuls ran and every scheduler's answers (older runs do not).
-MEASURES_QUALITY = ("moe-quick", "moe-mixtral")
+MEASURES_QUALITY = ("moe-quick", "moe-quick-avx2", "moe-mixtral")
 
 
 def _quality(src: str) -> tuple[Row, ...]:
@@ -129,7 +148,7 @@ def _result_row(src: str, sched: str, conc: str) -> Row:
 
 
 # Sources whose runs record the disk's idle time by scheduler phase (disk_idle_*_frac).
-MEASURES_IDLE: tuple[str, ...] = ("moe-quick", "moe-mixtral")
+MEASURES_IDLE: tuple[str, ...] = ("moe-quick", "moe-quick-avx2", "moe-mixtral")
 IDLE_PHASES = ("attention", "experts", "head", "sampling", "scheduling")
 
 
@@ -157,6 +176,10 @@ def _results(src: str) -> Table:
         tuple(_result_row(src, s, c) for s in SCHEDULERS + _ablations(src) for c in CONCURRENCY))
 
 
+# Sources whose runs record the stricter bound (compute as on_demand pays it, no read in flight).
+MEASURES_STRICT = ("moe-quick-avx2",)
+
+
 def _bound_row(src: str, conc: str) -> Row:
     p = f"overlap_bound.{conc}."
     cells = (_f(src, p + "compute_s_per_token", "ms"), _f(src, p + "io_s_per_token", "ms"),
@@ -164,16 +187,20 @@ def _bound_row(src: str, conc: str) -> Row:
              _f(src, p + "on_demand_vs_bound", "pct"), _f(src, p + "prefetch_vs_bound", "pct"),
              _f(src, p + "max_speedup_vs_on_demand", "x") + f" (I/O: {{{src}:io.effective}})",
              _f(src, p + "max_speedup_vs_prefetch", "x"))
+    if src in MEASURES_STRICT:
+        cells += (_f(src, p + "compute_without_reads_s_per_token", "ms"), _f(src, p + "bevy_vs_strict_bound", "pct"))
     return Row(conc, " | ".join(cells), f"`overlap_bound.{conc}`")
 
 
 def _bound(src: str) -> Table:
     # Modelled: a formula over measured parts (engine/bench/moe.py, `overlap_bound`).
+    strict = (("compute / token with no read in flight (on_demand's)", "bevy reaches of max(that, I/O)")
+              if src in MEASURES_STRICT else ())
     return Table(
         f"{src}-bound",
         ("requests", "compute / token (Bevy's compute time)", "I/O / token (Bevy's bytes ÷ disk)",
          "bound = max(compute, I/O)", "bevy reaches", "on_demand reaches", "prefetch reaches",
-         "most any scheduler can gain over on_demand", "over prefetch", "JSON field"),  # type: ignore[arg-type]
+         "most any scheduler can gain over on_demand", "over prefetch", *strict, "JSON field"),  # type: ignore[arg-type]
         tuple(_bound_row(src, c) for c in CONCURRENCY))
 
 
