@@ -18,7 +18,7 @@ bf16 in RAM, so a model takes its own size and not twice it. A matmul then runs
 otherwise. Which n is fastest depends on the CPU (`native_rows(dtype)`):
 - every row count (`ALL_ROWS`) where torch has a 16-bit kernel (oneDNN on
   AVX512-BF16/AMX, AVX512-FP16): it multiplies the weight as it is;
-- up to `GEMV_ROWS` where it has not (AVX2 only, most PC CPUs): torch then emulates a
+- up to `GEMV_ROWS` where it has not (AVX2 only, as many PC CPUs): torch then emulates a
   16-bit GEMM, which is slower than widening for a prefill's many rows, but its path
   for a few rows reads each 16-bit weight element once and converts it as it goes,
   while widening writes an f32 copy and reads it again. On an AVX2 AMD EPYC (by hand,
