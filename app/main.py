@@ -14,6 +14,7 @@ from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 
 from app import style
+from app.gui_gc import GuiThreadCollector
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -99,12 +100,15 @@ def run(argv: list[str] | None = None) -> int:
               "None and would crash); use Python 3.12+ or PySide6-Essentials 6.11.", file=sys.stderr)
         return 2
 
+    collector = GuiThreadCollector(app)  # cycles holding Qt objects die on this thread only
+    collector.start()
     window = create_window(args.model, args.device)
     window.show()
     code = app.exec()
     # closeEvent already waited for the engine to close; this only catches a
     # job still returning after the grace timeout.
     window.runner.wait_for_done(2000)
+    collector.stop()
     return code
 
 

@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
 
 from app import style
 from app.background import Runner
+from app.gui_gc import GuiThreadCollector
 from app.preferences.policy_form import PolicyForm
 from engine import client
 
@@ -263,6 +264,8 @@ def run(argv: list[str] | None = None) -> int:
             return client.AgentHandle.spawn(argv).wait()
         except KeyboardInterrupt:
             return 130
+    collector = GuiThreadCollector(app)  # cycles holding Qt objects die on this thread only
+    collector.start()
     runner = Runner(app, max_threads=4)
     tray = Tray(runner)
     tray.show()
@@ -297,6 +300,7 @@ def run(argv: list[str] | None = None) -> int:
     if handle:
         handle[0].stop()
     runner.wait_for_done(3000)
+    collector.stop()
     return code
 
 

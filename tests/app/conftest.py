@@ -38,3 +38,15 @@ def _app_folders():
         for key, value in _APP_ENV.items():
             mp.setenv(key, value)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _collect_on_the_gui_thread(qapp):
+    """As in the app (app/gui_gc.py): reference cycles holding Qt objects are collected on
+    the GUI thread, at the end of each test at the latest, never on a job's thread."""
+    from app.gui_gc import GuiThreadCollector
+
+    collector = GuiThreadCollector()
+    collector.start()
+    yield
+    collector.stop()
