@@ -180,9 +180,8 @@ class PagedEngine(TurnEngine):
         The events a pass gives are sent once the next pass has started (`_later`): sending
         one wakes the API's thread, which then holds the GIL while it writes the answers'
         chunks, and a scheduler thread waiting for the GIL between two passes leaves the
-        CPU idle meanwhile (timed by hand behind the API at one request on the 0.9 B Llama:
-        0.6 ms between two passes, about 1 % of a pass, before; 0.2-0.35 ms after). A turn
-        after which nothing runs sends them at once."""
+        CPU idle meanwhile (timed by hand behind the API at one request: the gap between two
+        passes got smaller). A turn after which nothing runs sends them at once."""
         batch = self._plan(active)
         if not batch:
             self._flush()
