@@ -90,7 +90,6 @@ class PagedModel:
             raise PagedUnsupported(f"compiling {self.model_dir.name} for {self.device} with a paged KV cache "
                                    f"failed: {e}") from e
         self.request = self.compiled.create_infer_request()
-        self.input_names = {n for i in self.compiled.inputs for n in i.get_names()}
         caches = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
         if not caches:
             raise PagedUnsupported(f"{self.model_dir.name} has no attention the paged transformation could take")
@@ -100,6 +99,10 @@ class PagedModel:
         self.block_bytes = sum(int(np.prod(shapes[i.get_any_name()])) * i.get_element_type().size for i in caches)
         self._caches = [(i.get_any_name(), i.get_element_type(), shapes[i.get_any_name()]) for i in caches]
         self.blocks = 0  # until allocate()
+        # the inputs start() sets, and the arrays the request reads them from (_set_inputs)
+        self._ports = {name: i for i in self.compiled.inputs for name in i.get_names()}
+        self._held: dict[str, np.ndarray] = {}
+        self._running = False  # a pass was started and not waited for
         self.vocab = int(self.compiled.output(0).get_partial_shape()[-1].get_length())
         report("model ready", 1.0)
 
@@ -137,16 +140,49 @@ class PagedModel:
                 "block_indices_begins": np.asarray(table_begins, dtype=np.int32),
                 "max_context_len": np.asarray(max(w.past + len(w.ids) for w in work), dtype=np.int32),
                 SAMPLED: np.asarray(rows, dtype=np.int64)}
-        # the inputs are copied into the request's own tensors (share_inputs off): these
-        # arrays may go while the pass runs
-        self.request.start_async({k: v for k, v in feed.items() if k in self.input_names})
+        if self._running:  # a pass nobody waited for (a failure in between) ends before its inputs change
+            self._wait()
+        self._set_inputs(feed)
+        self.request.start_async()
+        self._running = True
+
+    def _set_inputs(self, feed: dict[str, np.ndarray]) -> None:
+        """Hand the request this pass's inputs without copies. The request reads arrays held
+        here in place: an input whose shape is the last pass's is written into the array the
+        request already reads (that pass has ended: result() waited), any other is set anew.
+        Handing them over as a dict copied them into the request's tensors and took most of
+        start() -- time in which no pass runs, every token of a one-request decode."""
+        import openvino as ov
+
+        for name, value in feed.items():
+            port = self._ports.get(name)
+            if port is None:
+                continue
+            held = self._held.get(name)
+            if held is not None and held.shape == value.shape:
+                held[...] = value
+            elif value.ndim:
+                value = np.ascontiguousarray(value)
+                self.request.set_tensor(port, ov.Tensor(value, shared_memory=True))
+                self._held[name] = value
+            else:  # a scalar: a shared 0-d array would become shape [1]; the tensor's own memory instead
+                tensor = ov.Tensor(port.get_element_type(), ov.Shape([]))
+                tensor.data[...] = value
+                self.request.set_tensor(port, tensor)
+                self._held[name] = tensor.data
 
     def result(self) -> np.ndarray:
         """Wait for the pass start() began; the logits rows each sequence asked for, in
         order, float32 [rows, vocab] (a copy). A pass that failed raises here."""
-        self.request.wait()
+        self._wait()
         out = self.request.get_output_tensor(0).data  # [rows, 1, vocab]
         return np.array(out[:, -1, :], dtype=np.float32)
+
+    def _wait(self) -> None:
+        try:
+            self.request.wait()
+        finally:
+            self._running = False
 
     def close(self) -> None:
         self.request = None
