@@ -241,7 +241,13 @@ def test_a_sharded_checkpoint_converts_and_a_missing_file_is_one_line(bf16_model
 def test_native_compute_multiplies_in_bf16_and_stays_near_the_f32_answer(bf16_model):
     """compute="native": the matmuls in the weights' bf16 (on any CPU; "auto" picks it only
     where the CPU has a bf16 kernel). Same weights, bf16 rounding: close to the f32
-    reference, not equal to it; exact mode (f32 KV) keeps "auto" at f32."""
+    reference, not equal to it; exact mode (f32 KV) keeps "auto" at f32.
+
+    Judged per answer step over 16 steps, by the median and by most steps: this random
+    model's router has near ties (top-2 margins of a few thousandths), and where the
+    rounding flips one, that step's logits belong to another expert, however right the
+    matmuls are -- which steps flip depends on the CPU's bf16 kernel. A wrong product
+    (another weight, a lost scale) is off at every step."""
     path, store_dir = bf16_model("qwen3_moe")
     seen: list[np.ndarray] = []
     cfg = MoEConfig(torch_threads=1, max_concurrent=1, context_length=64, compute="native")
@@ -250,15 +256,17 @@ def test_native_compute_multiplies_in_bf16_and_stays_near_the_f32_answer(bf16_mo
         assert all(q.native_rows == ALL_ROWS for q in eng.model.qkv)
         assert eng.model.model.lm_head.native_rows == ALL_ROWS
         events = eng.generate(GenerateRequest("n", prompt=PROMPTS[0],
-                                              sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
+                                              sampling=SamplingParams(max_tokens=16, ignore_eos=True)))
         tok = eng.tokenizer
     tokens = [t for e in events for t in e.token_ids]
-    assert events[-1].error is None and len(tokens) == 4
+    assert events[-1].error is None and len(tokens) == 16
     ref = _reference_logits(path, tok, PROMPTS[0], tokens)
     got = np.stack(seen)
     assert got.shape == ref.shape
-    err = np.abs(got - ref).max() / np.abs(ref).max()
-    assert 0 < err < 0.05, err  # bf16 activations: a rounding, not another model
+    per_step = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert per_step.min() > 1e-3, per_step  # bf16 products: not the f32 path (within 1e-4 of it, above)
+    assert np.median(per_step) < 0.03, per_step  # bf16 activations: a rounding, not another model
+    assert (per_step < 0.05).mean() >= 0.75, per_step
     with MoEEngine(store_dir, "t", MoEConfig(torch_threads=1, max_concurrent=1, context_length=64,
                                              kv_precision="f32")) as exact:
         assert exact.memory["compute"] == "f32" and exact.model.native_rows == 0
