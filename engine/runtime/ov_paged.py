@@ -161,8 +161,8 @@ class PagedModel:
             held = self._held.get(name)
             if held is not None and held.shape == value.shape:
                 held[...] = value
-            elif value.ndim:
-                value = np.ascontiguousarray(value)
+            elif value.ndim:  # in the input's own element type: a shared array is not converted
+                value = np.ascontiguousarray(value, dtype=port.get_element_type().to_dtype())
                 self.request.set_tensor(port, ov.Tensor(value, shared_memory=True))
                 self._held[name] = value
             else:  # a scalar: a shared 0-d array would become shape [1]; the tensor's own memory instead
