@@ -99,7 +99,7 @@ class PagedModel:
         self.block_bytes = sum(int(np.prod(shapes[i.get_any_name()])) * i.get_element_type().size for i in caches)
         self._caches = [(i.get_any_name(), i.get_element_type(), shapes[i.get_any_name()]) for i in caches]
         self.blocks = 0  # until allocate()
-        # the inputs start() sets, and the arrays the request reads them from (_set_inputs)
+        # the inputs start() sets, and the tensors' memory the request reads them from (_set_inputs)
         self._ports = {name: i for i in self.compiled.inputs for name in i.get_names()}
         self._held: dict[str, np.ndarray] = {}
         self._running = False  # a pass was started and not waited for
@@ -147,11 +147,12 @@ class PagedModel:
         self._running = True
 
     def _set_inputs(self, feed: dict[str, np.ndarray]) -> None:
-        """Hand the request this pass's inputs without copies. The request reads arrays held
-        here in place: an input whose shape is the last pass's is written into the array the
-        request already reads (that pass has ended: result() waited), any other is set anew.
-        Handing them over as a dict copied them into the request's tensors and took most of
-        start() -- time in which no pass runs, every token of a one-request decode."""
+        """Hand the request this pass's inputs without a copy per pass. Each input lives in
+        a tensor of the input's own type set once per shape: an input whose shape is the last
+        pass's is written into that tensor's memory in place (that pass has ended: result()
+        waited), any other gets a new tensor. Handing them over as a dict copied them into the
+        request's tensors and took most of start() -- time in which no pass runs, every token
+        of a one-request decode."""
         import openvino as ov
 
         for name, value in feed.items():
@@ -159,17 +160,11 @@ class PagedModel:
             if port is None:
                 continue
             held = self._held.get(name)
-            if held is not None and held.shape == value.shape:
-                held[...] = value
-            elif value.ndim:  # in the input's own element type: a shared array is not converted
-                value = np.ascontiguousarray(value, dtype=port.get_element_type().to_dtype())
-                self.request.set_tensor(port, ov.Tensor(value, shared_memory=True))
-                self._held[name] = value
-            else:  # a scalar: a shared 0-d array would become shape [1]; the tensor's own memory instead
-                tensor = ov.Tensor(port.get_element_type(), ov.Shape([]))
-                tensor.data[...] = value
+            if held is None or held.shape != value.shape:
+                tensor = ov.Tensor(port.get_element_type(), ov.Shape(list(value.shape)))
                 self.request.set_tensor(port, tensor)
-                self._held[name] = tensor.data
+                held = self._held[name] = tensor.data  # the tensor's memory, as an array
+            held[...] = value
 
     def result(self) -> np.ndarray:
         """Wait for the pass start() began; the logits rows each sequence asked for, in

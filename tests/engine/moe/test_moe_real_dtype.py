@@ -244,7 +244,7 @@ def test_native_compute_multiplies_in_bf16_and_stays_near_the_f32_answer(bf16_mo
     reference, not equal to it; exact mode (f32 KV) keeps "auto" at f32.
 
     Judged per answer step over 16 steps, by the median and by most steps: this random
-    model's router has near ties (top-2 margins of a few thousandths), and where the
+    model's router has near ties that bf16 rounding can cross, and where the
     rounding flips one, that step's logits belong to another expert, however right the
     matmuls are -- which steps flip depends on the CPU's bf16 kernel. A wrong product
     (another weight, a lost scale) is off at every step."""
