@@ -16,10 +16,13 @@ CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + t
 # Benchmark-only variants: a scheduler with one engine setting changed, run beside it.
 # bevy_verify_always: Bevy checking an expert's checksum on every read, not only on its first read
 # and after its file changed (MoEConfig.verify): what checking every read would cost it.
-# bevy_widened: Bevy with every matmul widened to f32 (MoEConfig.compute "f32"): what "auto"'s
-# 16-bit matmuls gain, and (its answers being the exact ones) what they change.
+# bevy_widened: Bevy with every matmul widened to f32 (MoEConfig.compute "f32"): on a CPU with a
+# bf16 kernel, what "auto"'s 16-bit matmuls gain, and (its answers being the exact ones) what they
+# change. bevy_native: Bevy with every matmul in torch's 16-bit product (compute "native"): on a CPU
+# without one (AVX2), where "auto" widens, what the widening kernels gain over torch's own product.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"bevy_verify_always": ("bevy", {"verify": "always"}),
-                                                   "bevy_widened": ("bevy", {"compute": "f32"})}
+                                                   "bevy_widened": ("bevy", {"compute": "f32"}),
+                                                   "bevy_native": ("bevy", {"compute": "native"})}
 
 
 def open_engine(store_dir, model_id: str, sched: str, budget: int | None, conc: int, direct: bool,

@@ -51,12 +51,15 @@ it, `prefetch_gap` says by how much and why, as `paper_gap` does for on_demand.
 Bevy reading guessed experts when its disk would idle (`bevy_guess_over_bevy`),
 `...,bevy_one_wave` Bevy moving its requests always as one wave (`bevy_over_one_wave`:
 what its two waves gain; `two_waves_frac` in each cell: the share of request passes
-Bevy started in two waves), `...,bevy_verify_always` Bevy checking each expert's checksum on
+Bevy started in two waves), `...,bevy_two_waves` always as two (`bevy_over_two_waves`: what its
+rule's choice gains over them), `...,bevy_verify_always` Bevy checking each expert's checksum on
 every read (`bevy_over_verify_always`: what the default, a check on an expert's first read
 and again after its file changed, saves over that), `...,bevy_widened` Bevy with every matmul
 widened to f32 (`bevy_over_widened`, `..._by_concurrency`: what the default `compute`'s 16-bit
-matmuls gain; `same_tokens_as_widened` in Bevy's cells: how many of its tokens are the exact
-answer's).
+matmuls gain on a CPU with a bf16 kernel; `same_tokens_as_widened` in Bevy's cells: how many of
+its tokens are the exact answer's), `...,bevy_native` Bevy with every matmul in torch's own
+16-bit product (`bevy_over_native`, `same_tokens_as_native`: on a CPU without a bf16 kernel,
+where the default widens, what the widening kernels gain and what the answers change).
 `mb_unused_per_token`: the bytes read on a guess (prefetch's, bevy_guess's)
 that no request used (`guesses_used_frac`: the share of guessed reads a request used);
 the bound's I/O term counts the bytes Bevy needed. `disk_idle_<phase>_frac`: the share of
@@ -182,7 +185,7 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
 
     store.close()
     disk = statistics.median(disks)
-    ran: set[str] = set()  # how the matmuls ran, a variant's that sets them (bevy_widened) aside
+    ran: set[str] = set()  # how the matmuls ran, a variant's that sets them (bevy_widened, _native) aside
     for (sched, _conc), runs in cells.items():
         for r in runs:
             how = r.pop("compute")
@@ -197,11 +200,12 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             continue
         for i, r in enumerate(runs):
             r["same_tokens_as_on_demand"] = round(same_tokens(answers[(sched, conc)][i], ref[i]), 4)
-    for conc in concs:  # Bevy's answers against its exact (widened) ones
-        exact, mine = answers.get(("bevy_widened", conc)), answers.get(("bevy", conc))
-        if exact is not None and mine is not None:
-            for r, a, b in zip(cells[("bevy", conc)], mine, exact):
-                r["same_tokens_as_widened"] = round(same_tokens(a, b), 4)
+    for conc in concs:  # Bevy's answers against those of its matmuls done another way
+        for variant in ("bevy_widened", "bevy_native"):
+            other, mine = answers.get((variant, conc)), answers.get(("bevy", conc))
+            if other is not None and mine is not None:
+                for r, a, b in zip(cells[("bevy", conc)], mine, other):
+                    r["same_tokens_as_" + variant.removeprefix("bevy_")] = round(same_tokens(a, b), 4)
     table: dict[str, dict[str, dict[str, float]]] = {}
     for (sched, conc), runs in cells.items():  # a figure some runs lack (guesses_used_frac): over those with it
         keys = dict.fromkeys(k for r in runs for k in r)
@@ -249,8 +253,9 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         if "bevy_guess" in table and top in table["bevy_guess"]:
             out["bevy_guess_over_bevy"] = round(table["bevy_guess"][top]["tok_s"] / b["tok_s"], 3)
         # Bevy over itself with one thing changed: checking every read (what the default saves),
-        # always one wave (what two gain), every matmul widened (what 16-bit matmuls gain)
-        for variant in ("bevy_verify_always", "bevy_one_wave", "bevy_widened"):
+        # always one wave (what two gain), every matmul widened (what 16-bit matmuls gain) or in
+        # torch's 16-bit product (what the widening kernels gain)
+        for variant in ("bevy_verify_always", "bevy_one_wave", "bevy_two_waves", "bevy_widened", "bevy_native"):
             if variant in table and top in table[variant]:
                 name = "bevy_over_" + variant.removeprefix("bevy_")
                 out[name] = round(b["tok_s"] / table[variant][top]["tok_s"], 3)

@@ -42,6 +42,7 @@ from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
 from engine.runtime.errors import error_code_of
 from engine.runtime.generation import Generation, decode_one, finished
+from engine.runtime import widen_kernel
 from engine.runtime.stored import ALL_ROWS, STORAGE_DTYPES, native_rows
 from engine.runtime.torch_kv import KV_DTYPES, asked_kv_precision
 from engine.core.interface import EngineError, EngineInfo
@@ -70,10 +71,9 @@ class MoEConfig:
     torch_threads: int | None = None
     context_length: int | None = None  # cap on prompt + answer; None = the model's, at most DEFAULT_CONTEXT
     # "native": 16-bit weights multiply in their own dtype (f32 accumulation); "f32": widened to
-    # f32 first, exact against transformers in f32; "auto" (unless KV is f32, exact mode, then
-    # f32): native where this CPU's torch has a 16-bit kernel (AVX512-BF16, AMX); where it has
-    # not (AVX2), native for a few rows, as a decode step's experts get, and widened for more
-    # (engine/runtime/stored.py)
+    # f32 as they are read, exact against transformers in f32; "auto" (unless KV is f32, exact
+    # mode, then f32): native where this CPU's torch has a 16-bit kernel (AVX512-BF16, AMX),
+    # widened where it has not (AVX2): engine/runtime/stored.py
     compute: str = "auto"
 
     def native_rows_for(self, weight_dtype: torch.dtype) -> int:
@@ -102,7 +102,7 @@ COMPUTES = ("auto", "native", "f32")
 
 def compute_name(weight_dtype: str, rows: int) -> str:
     """How the matmuls run, as `memory["compute"]` and `bench moe` say it: "bf16" (the weights'
-    dtype), "f32" (widened), or "bf16 up to 3 rows, else f32"."""
+    dtype), "f32" (widened), or "bf16 up to N rows, else f32" for a row limit."""
     if not rows:
         return "f32"
     return weight_dtype if rows == ALL_ROWS else f"{weight_dtype} up to {rows} rows, else f32"
@@ -146,6 +146,11 @@ class MoEEngine(InboxEngine):
             self.model = MoEModel(store_dir, self.store.index, kv_slots=config.max_concurrent,
                                   kv_capacity=self.context_length, kv_dtype=KV_DTYPES[config.kv_precision],
                                   native_rows=native)
+            if self.store.index.dtype != "f32":
+                # compiled (or loaded from numba's cache) before memory_room(): what the
+                # compiler takes is then not counted as room for experts
+                report("preparing the matmul kernel", 0.5)
+                widen_kernel.warm()
             budget = config.cache_budget_bytes
             if config.scheduler == "resident":  # the upper bound: every expert in RAM
                 budget = self.store.index.total_expert_bytes

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.moe.store import REST_FILE, StoreIndex
+from engine.runtime import widen_kernel
 from engine.runtime.prompt_cache import KeptStates
 from engine.runtime.stored import StoredEmbedding, StoredLinear, TensorFile, linear
 
@@ -186,6 +187,7 @@ class MoEModel:
         self.model = model.eval()
         self.hidden = int(config.hidden_size)
         self.act = _act(config)
+        self.silu = getattr(config, "hidden_act", "silu") == "silu"  # the gate widen_kernel.expert computes
         self.top_k = int(index.top_k)
         attn = self.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
@@ -394,6 +396,8 @@ class MoEModel:
                               torch.tensor([f for i in who for f in by[i][1]], dtype=torch.long)))
             for i in who:
                 b.needs[i].discard(expert)
+        if self._fused(views, parts, picks):
+            return
         if len(parts) == 1:
             rows = parts[0][0].h.index_select(0, picks[0][0])  # [m, H]
         else:
@@ -407,6 +411,20 @@ class MoEModel:
             m = len(r)
             b.acc.index_add_(0, r, out[start:start + m] * b.wflat.index_select(0, f)[:, None])
             start += m
+
+    def _fused(self, views: dict, parts: list[tuple[Batch, list[int]]], picks: list[tuple]) -> bool:
+        """apply_expert's work in one widen_kernel.expert call per batch, where it runs: a
+        decode step's few rows (not a prefill's), weights widened (not native) and of a kind
+        it reads, the SiLU gate. False: the caller computes it with torch."""
+        gate_up, down = views["gate_up"], views["down"]
+        if (self.native_rows or not self.silu or sum(len(p[0]) for p in picks) > widen_kernel.ROWS
+                or not (widen_kernel.handles(gate_up) and widen_kernel.handles(down))
+                or gate_up.dtype != down.dtype):
+            return False
+        for (b, _), (r, f) in zip(parts, picks):  # each batch adds to its own acc
+            widen_kernel.expert(b.h, r, b.wflat.index_select(0, f), gate_up, down, views.get("gate_up_scale"),
+                                views.get("down_scale"), b.acc)
+        return True
 
     @torch.inference_mode()
     def advance(self, layer: int, parts: list[tuple[Batch, list[int]]]) -> Batch:

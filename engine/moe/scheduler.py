@@ -19,7 +19,10 @@ and each expert is applied once to all rows that wait for it.
   of its pass is behind it, or at once (the biggest) when the disk has
   nothing to read (entering_now: the wave stays whole, and pays each layer's
   attention and the head once, while the disk is busy; it runs ahead when the
-  disk would idle). Within a layer no request waits for another's experts.
+  disk would idle). Groups entering a MoE layer go before one whose pass ends
+  (the head reads nothing), and while the disk has nothing to read they enter
+  before any ready expert work, so that their misses are read meanwhile.
+  Within a layer no request waits for another's experts.
   Fetch threads read while this thread computes. While the disk is the slower
   of the two even with a second head and attention paid, and the cache holds
   two layers' worth of the experts the requests pick, the requests move as two
@@ -420,6 +423,10 @@ class BevyScheduler(Scheduler):
     def _round(self) -> bool:
         """One round; False if there was nothing to compute (it waited for the disk)."""
         t0 = time.perf_counter()
+        if self._entering and self.fetcher.idle():
+            # the disk has nothing to read: a group that may enter a MoE layer does so before
+            # any expert work, so that its misses are read while that work is computed
+            self._enter(heads=False)
         # Who waits for what: (layer, expert) -> [(batch, requests)].
         waiting: dict[Key, list[tuple[Batch, list[int]]]] = {}
         for b in self._batches:
@@ -481,15 +488,7 @@ class BevyScheduler(Scheduler):
             self.stats.compute_s += time.perf_counter() - t0
             return True
         # No expert work is ready: lined-up groups enter their next layer (entering_now).
-        entering, self._entering = self._take_entering()
-        for key in sorted(entering, key=lambda k: -k[1]):  # the furthest first
-            parts = [(b, [i for i in idx if _alive(b.states[i])]) for b, idx in entering[key]]
-            parts = [(b, idx) for b, idx in parts if idx]
-            if parts:
-                nb = self._next(parts)
-                if nb is not None:
-                    self._batches.append(nb)
-                    self._guess(nb)
+        entering = self._enter(heads=True)
         starting = [s for s in self.seqs.values() if s.layer < 0 and s.feed]  # admitted, or a next token
         if starting:
             self._decide_waves()
@@ -514,6 +513,31 @@ class BevyScheduler(Scheduler):
             self._arrivals(0.05)
             self.stats.wait_s += time.perf_counter() - t
         return False
+
+    def _enter(self, heads: bool) -> dict:
+        """Lined-up groups enter their next layer (entering_now); heads=False: only those
+        entering a MoE layer, the ones whose pass ends (the head) stay lined up. The groups
+        that entered, by (wave, layer done)."""
+        entering, self._entering = self._take_entering()
+        last = max(self.model.moe_layers, default=-1)
+        if not heads:
+            for (_w, layer), parts in [(k, p) for k, p in entering.items() if k[1] >= last]:
+                self._entering.setdefault(layer, []).extend(parts)
+                del entering[(_w, layer)]
+        # A group entering a MoE layer first, the furthest first; one done with the last MoE
+        # layer (its pass ends: the head, which reads nothing) after them: with two waves the
+        # other wave's misses are asked for before the head runs, and read meanwhile.
+        for key in sorted(entering, key=lambda k: (k[1] >= last, -k[1])):
+            parts = [(b, [i for i in idx if _alive(b.states[i])]) for b, idx in entering[key]]
+            parts = [(b, idx) for b, idx in parts if idx]
+            if parts:
+                nb = self._next(parts)
+                if nb is not None:
+                    self._batches.append(nb)
+                    self._guess(nb)
+        if entering and not heads:
+            self._plan({(b.layer, e) for b in self._batches for e in b.todo})
+        return entering
 
     def _guess(self, b: Batch) -> None:
         """The experts b will likely need at the next MoE layer (that layer's router on

@@ -4,26 +4,24 @@ the one matmul over them (`linear`), in one of two ways.
 The torch engines (MoE, sparse) keep a checkpoint's weights as it ships: bf16 stays
 bf16 in RAM, so a model takes its own size and not twice it. A matmul then runs
 
-- widened: the weight widened to float32 `BLOCK_BYTES` at a time
-  (the transient stays small even for a 150k-row head or a 14336-wide Mixtral
-  expert), times f32 activations. A bf16 weight widens exactly, so the result
-  equals transformers computing in f32 on the very same weights, on every CPU:
-  what exact mode (`--precision f32`) and the equivalence tests use.
-- native: in the weight's own 16-bit dtype, the activations rounded
-  to it, f32 accumulation in the kernel and a result rounded to the weight's dtype
-  (what transformers in bf16 and llama.cpp do). No f32 copy of the weight is written
-  and read again.
+- widened: each weight element widened to float32, times f32 activations. A bf16 weight
+  widens exactly, so the result equals transformers computing in f32 on the very same
+  weights, on every CPU: what exact mode (`--precision f32`) and the equivalence tests
+  use. For up to `widen_kernel.ROWS` rows of activations (a decode step) the weight is
+  widened as it is read, in cache-sized pieces, and never written back whole
+  (`engine/runtime/widen_kernel.py`); for more (a prefill) it is widened `BLOCK_BYTES` at
+  a time (the transient stays small even for a 150k-row head or a 14336-wide Mixtral
+  expert) for a BLAS sgemm.
+- native: in the weight's own 16-bit dtype, the activations rounded to it, f32
+  accumulation in the kernel and a result rounded to the weight's dtype (what
+  transformers in bf16 and llama.cpp do).
 
-`linear(..., native_rows=n)` runs native when x has at most n rows, widened
-otherwise. Which n is fastest depends on the CPU (`native_rows(dtype)`):
-- every row count (`ALL_ROWS`) where torch has a 16-bit kernel (oneDNN on
-  AVX512-BF16/AMX, AVX512-FP16): it multiplies the weight as it is;
-- up to `GEMV_ROWS` where it has not (AVX2 only, as many PC CPUs): torch then emulates a
-  16-bit GEMM, which is slower than widening for a prefill's many rows, but its path
-  for a few rows reads each 16-bit weight element once and converts it as it goes,
-  while widening writes an f32 copy and reads it again. On an AVX2 AMD EPYC (by hand,
-  a Qwen3-30B-A3B expert), native took about half the widened time for one row and
-  overtook widening between 4 and 5 rows.
+`linear(..., native_rows=n)` runs native when x has at most n rows, widened otherwise.
+`native_rows(dtype)` is every row count (`ALL_ROWS`) where torch has a 16-bit kernel of
+its own (oneDNN on AVX512-BF16/AMX, AVX512-FP16), and none where it has not (AVX2 only, as
+many PC CPUs): torch then emulates the 16-bit product, each further row of activations
+costing about as much again, while the widening kernel reads the weight once for all
+rows (on an AVX2 AMD EPYC, by hand, a Qwen3-30B-A3B expert: faster from one row on).
 `flotilla bench moe` records which ran (`compute`).
 
 int8 (`quantize_rows`): symmetric, one f32 scale per output row, absmax / 127; always
@@ -38,8 +36,9 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from engine.runtime import widen_kernel
+
 ALL_ROWS = sys.maxsize  # native_rows: every matmul in the weight's own 16-bit dtype
-GEMV_ROWS = 3  # native_rows without a 16-bit kernel: a decode step's few rows (the module doc)
 BLOCK_BYTES = 8 << 20  # f32 bytes of weight widened at once (8 MiB: a few rows of a big matrix)
 STORAGE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 # safetensors dtype names -> torch dtypes (TensorFile reads them; the MoE converter writes them)
@@ -100,10 +99,11 @@ def native_matmul(dtype: torch.dtype) -> bool:
 
 def native_rows(dtype: torch.dtype) -> int:
     """Up to how many rows of activations a `dtype` weight multiplies fastest in its own
-    dtype on this CPU (0: never, a 32-bit or int8 weight): see the module doc."""
+    dtype on this CPU (0: never -- widened -- a 32-bit or int8 weight, or a CPU without a
+    16-bit kernel): see the module doc."""
     if dtype not in (torch.bfloat16, torch.float16):
         return 0
-    return ALL_ROWS if native_matmul(dtype) else GEMV_ROWS
+    return ALL_ROWS if native_matmul(dtype) else 0
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
@@ -113,13 +113,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     (the module doc), else widened."""
     if w.dtype == torch.float32 and scale is None:
         return F.linear(x, w, bias)
-    if (native_rows and scale is None and w.dtype in (torch.bfloat16, torch.float16)
-            and x.numel() <= native_rows * w.shape[1]):
+    n = x.numel() // max(1, x.shape[-1])  # rows of activations
+    if native_rows and scale is None and w.dtype in (torch.bfloat16, torch.float16) and n <= native_rows:
         # x copied into fresh row-major storage: a strided x (the last position of a
         # prefill, hidden[:, -1:, :]) sends torch's 16-bit linear down a path that copies
         # the whole weight -- 1 GB for Llama-3-8B's head
         xw = torch.empty(x.shape, dtype=w.dtype).copy_(x)
         out = F.linear(xw, w).float()
+        return out if bias is None else out + bias
+    if 0 < n <= widen_kernel.ROWS and widen_kernel.handles(w):
+        out = widen_kernel.matmul(x.reshape(n, x.shape[-1]), w, scale).view(*x.shape[:-1], w.shape[0])
         return out if bias is None else out + bias
     rows = w.shape[0]
     step = min(rows, _rows_per_block(w.shape[1]))

@@ -1,8 +1,8 @@
 """docs/moe.md's figure tables (see engine/bench/_figures/__init__.py for the rules).
 
 Three sources: `moe-quick` (Qwen3-30B-A3B shapes, `flotilla bench moe --quick`, on a CPU
-with a bf16 kernel), `moe-quick-avx2` (the same on an AVX2-only CPU, with Bevy widened to f32
-beside it) and `moe-mixtral` (Mixtral-8x7B shapes). The per-scheduler and overlap-bound tables have more
+with a bf16 kernel), `moe-quick-avx2` (the same on an AVX2-only CPU, with Bevy in torch's bf16
+product beside it) and `moe-mixtral` (Mixtral-8x7B shapes). The per-scheduler and overlap-bound tables have more
 than three columns: a row's figure then holds several cells separated by " | ", and the
 header names every column (the first is the row's `what`, the last its `how`).
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 from engine.bench._report import REPO_ROOT, Row, Table
 
 SOURCES = {"moe-quick": "`flotilla bench moe --quick`",
-           "moe-quick-avx2": "`flotilla bench moe --quick --schedulers bevy,on_demand,prefetch,bevy_widened`",
+           "moe-quick-avx2": ("`flotilla bench moe --quick --schedulers "
+                              "bevy,on_demand,prefetch,bevy_native,bevy_two_waves`"),
            "moe-mixtral": "`flotilla bench moe --shape mixtral-8x7b --tokens 8`"}
 SCHEDULERS = ("bevy", "on_demand", "prefetch")
 CONCURRENCY = ("1", "4", "16")
@@ -50,8 +51,9 @@ def _headline(src: str) -> Table:
         *(_quality(src) if src in MEASURES_QUALITY else ()),
         *(_guess(src) if src in RUNS_GUESS else ()),
         *(_one_wave(src) if src in RUNS_ONE_WAVE else ()),
+        *(_two_waves(src) if src in RUNS_TWO_WAVES else ()),
         *(_verify_always(src) if src in RUNS_VERIFY_ALWAYS else ()),
-        *(_widened(src) if src in RUNS_WIDENED else ()),
+        *(_compute_variant(src) if src in RUNS_COMPUTE_VARIANT else ()),
     ))
 
 
@@ -82,6 +84,19 @@ def _one_wave(src: str) -> tuple[Row, ...]:
                 f"{_f(src, 'results.bevy.4.two_waves_frac', 'pct')} at 4 requests", how),)
 
 
+# Sources whose runs include the bevy_two_waves ablation (Bevy's requests always in two waves).
+RUNS_TWO_WAVES = ("moe-quick-avx2",)
+
+
+def _two_waves(src: str) -> tuple[Row, ...]:
+    by = "bevy_over_two_waves_by_concurrency."
+    return (Row("Bevy over `bevy_two_waves` (ablation: Bevy's requests always in two waves), at 1; 4; 16 "
+                "requests: below 1, the two waves Bevy's rule did not choose would have been faster",
+                "; ".join(_f(src, by + c, "x") for c in CONCURRENCY) + "; Bevy started "
+                f"{_f(src, 'results.bevy.16.two_waves_frac', 'pct')} of its request passes in two waves at 16 "
+                f"requests, {_f(src, 'results.bevy.4.two_waves_frac', 'pct')} at 4", SOURCES[src]),)
+
+
 # Sources whose runs include bevy_verify_always (Bevy checking an expert's checksum on every read).
 RUNS_VERIFY_ALWAYS = ("moe-quick",)
 
@@ -96,26 +111,32 @@ def _verify_always(src: str) -> tuple[Row, ...]:
                 f"{_f(src, p + 'compute_s_per_token', 'ms')}", how),)
 
 
-# Sources whose runs include bevy_widened (Bevy with every matmul widened to f32).
-RUNS_WIDENED = ("moe-quick-avx2",)
+# Sources whose runs include Bevy with its matmuls done another way, and that way: bevy_widened
+# (every matmul widened to f32) or bevy_native (every matmul in torch's own 16-bit product).
+RUNS_COMPUTE_VARIANT = {"moe-quick-avx2": "bevy_native"}
+_VARIANT_WHAT = {"bevy_widened": ("every matmul widened to f32", "the 16-bit matmuls", "the exact answers"),
+                 "bevy_native": ("every matmul in torch's own bf16 product", "the widening kernels",
+                                 "Bevy's are the exact ones")}
 
 
-def _widened(src: str) -> tuple[Row, ...]:
-    how = SOURCES[src]
-    by = "bevy_over_widened_by_concurrency."
-    same = "results.bevy.{c}.same_tokens_as_widened"
-    return (Row("Bevy (`compute` auto) over `bevy_widened` (every matmul widened to f32): what the 16-bit "
-                "matmuls gain, at 1; 4; 16 requests",
-                "; ".join(_f(src, by + c, "x") for c in CONCURRENCY), how),
-            Row("Bevy's tokens equal to `bevy_widened`'s (the exact answers) at 1; 4; 16 requests",
+def _compute_variant(src: str) -> tuple[Row, ...]:
+    how, variant = SOURCES[src], RUNS_COMPUTE_VARIANT[src]
+    short = variant.removeprefix("bevy_")
+    what, gain, answers = _VARIANT_WHAT[variant]
+    by = f"bevy_over_{short}_by_concurrency."
+    same = "results.bevy.{c}.same_tokens_as_" + short
+    return (Row(f"Bevy (`compute` {{{src}:compute}}) over `{variant}` ({what}): what {gain} gain, at 1; 4; "
+                "16 requests", "; ".join(_f(src, by + c, "x") for c in CONCURRENCY), how),
+            Row(f"Bevy's tokens equal to `{variant}`'s ({answers}) at 1; 4; 16 requests",
                 "; ".join(_f(src, same.format(c=c), "pct") for c in CONCURRENCY), how))
 
 
 def _ablations(src: str) -> tuple[str, ...]:
     """The ablation schedulers a source's runs include, for its per-scheduler tables."""
     return ((("bevy_guess",) if src in RUNS_GUESS else ()) + (("bevy_one_wave",) if src in RUNS_ONE_WAVE else ())
+            + (("bevy_two_waves",) if src in RUNS_TWO_WAVES else ())
             + (("bevy_verify_always",) if src in RUNS_VERIFY_ALWAYS else ())
-            + (("bevy_widened",) if src in RUNS_WIDENED else ()))
+            + ((RUNS_COMPUTE_VARIANT[src],) if src in RUNS_COMPUTE_VARIANT else ()))
 
 
 # Sources whose runs record how the matmuls ran and every scheduler's answers (older runs do not).

@@ -279,7 +279,7 @@ def test_moe_bench_refuses_speedups_when_o_direct_is_not_in_effect(monkeypatch, 
 
 def test_moe_bench_reports_speedups_of_a_buffered_run_asked_for():
     out = moe.run(_args([*TINY, "--repeats", "1", "--concurrency", "2", "--schedulers",
-                         "bevy,on_demand,prefetch,bevy_verify_always,bevy_widened", "--buffered"]),
+                         "bevy,on_demand,prefetch,bevy_verify_always,bevy_widened,bevy_native", "--buffered"]),
                   lambda _line: None)
     assert out["io"] == {"requested": "buffered", "effective": "buffered", "fallback_reason": None}
     assert out["o_direct"] is False and "speedup_refused" not in out
@@ -298,6 +298,10 @@ def test_moe_bench_reports_speedups_of_a_buffered_run_asked_for():
     # f32 weights: "auto" widens them too, so Bevy's answers are the exact ones, and the one
     # way the matmuls ran is the JSON's `compute`
     assert res["bevy"]["2"]["same_tokens_as_widened"] == 1.0 and out["compute"] == "f32"
+    # and torch's own product of f32 weights is that same f32 one
+    assert out["bevy_over_native"] == pytest.approx(res["bevy"]["2"]["tok_s"] / res["bevy_native"]["2"]["tok_s"],
+                                                    abs=1e-3)
+    assert res["bevy"]["2"]["same_tokens_as_native"] == 1.0
 
 
 def test_the_variants_are_bevy_with_one_setting_changed(tiny_store):
@@ -305,7 +309,7 @@ def test_the_variants_are_bevy_with_one_setting_changed(tiny_store):
     from engine.moe.scheduler import BevyScheduler
 
     for sched, verify, compute in (("bevy", "first", "auto"), ("bevy_verify_always", "always", "auto"),
-                                   ("bevy_widened", "first", "f32")):
+                                   ("bevy_widened", "first", "f32"), ("bevy_native", "first", "native")):
         engine = open_engine(tiny_store, "tiny", sched, None, 2, True)
         try:
             assert isinstance(engine.scheduler, BevyScheduler) and engine.store.config.verify == verify

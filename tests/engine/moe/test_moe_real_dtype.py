@@ -20,8 +20,8 @@ from engine.moe.engine import MoEConfig, MoEEngine
 from engine.moe.recipes import TINY_MIXTRAL_BF16, TINY_QWEN3_MOE_BF16
 from engine.moe.store import BLOB_FILE, REST_FILE, ExpertStore, StoreError, align_up
 from engine.protocol.messages import GenerateRequest, SamplingParams
-from engine.runtime import stored
-from engine.runtime.stored import ALL_ROWS, GEMV_ROWS, linear
+from engine.runtime import stored, widen_kernel
+from engine.runtime.stored import ALL_ROWS, linear
 from engine.core.interface import EngineError
 
 RECIPES = {"qwen3_moe": TINY_QWEN3_MOE_BF16, "mixtral": TINY_MIXTRAL_BF16}
@@ -275,28 +275,51 @@ def test_native_compute_multiplies_in_bf16_and_stays_near_the_f32_answer(bf16_mo
 @pytest.mark.parametrize("kernel", [True, False], ids=["bf16-kernel", "avx2-only"])
 def test_auto_compute_follows_the_cpu(bf16_model, monkeypatch, kernel):
     """compute="auto" on a CPU with a bf16 kernel: every matmul may run in bf16. On one
-    without (AVX2, faked here on any CPU): only a decode step's few rows (stored.linear
-    picks by rows, its own tests), so every matmul -- attention, experts, head -- is
-    handed GEMV_ROWS, the prompt's and the answer's alike; the answer completes."""
+    without (AVX2, faked here on any CPU): every matmul -- attention, experts, head -- is
+    widened (native_rows 0, compute "f32"), a decode step's few rows by the widening kernels
+    (an expert's FFN in one fused call; stored.linear picks by rows, its own tests) and the
+    prompt's by blocks; the answer completes."""
     monkeypatch.setattr(stored, "native_matmul", lambda dtype: kernel)
     calls: list[tuple[int, int]] = []  # (rows, native_rows) of every matmul over a 16-bit weight
+    widened: list[int] = []  # rows of every product the widening kernel ran
 
     def spy(x, w, scale=None, bias=None, native_rows=0):
         if w.dtype == torch.bfloat16:
             calls.append((x.numel() // x.shape[-1], native_rows))
         return linear(x, w, scale, bias, native_rows)
 
+    def kernel_spy(x, w, scale=None):
+        widened.append(x.shape[0])
+        return matmul(x, w, scale)
+
+    def expert_spy(x, rows, *args):
+        fused.append(len(rows))
+        return expert(x, rows, *args)
+
+    matmul, expert, fused = widen_kernel.matmul, widen_kernel.expert, []
     monkeypatch.setattr(stored, "linear", spy)  # StoredLinear's matmuls
     monkeypatch.setattr(moe_model, "linear", spy)  # the experts'
+    monkeypatch.setattr(widen_kernel, "matmul", kernel_spy)
+    monkeypatch.setattr(widen_kernel, "expert", expert_spy)
     _path, store_dir = bf16_model("qwen3_moe")
-    rows = ALL_ROWS if kernel else GEMV_ROWS
-    with MoEEngine(store_dir, "t", MoEConfig(torch_threads=1, max_concurrent=1, context_length=64)) as eng:
-        assert eng.memory["compute"] == ("bf16" if kernel else f"bf16 up to {GEMV_ROWS} rows, else f32")
-        events = eng.generate(GenerateRequest("n", prompt=PROMPTS[0],
+    rows = ALL_ROWS if kernel else 0
+    prompt = " ".join(PROMPTS * 3)  # more tokens than widen_kernel.ROWS: a prefill's matmuls
+    with MoEEngine(store_dir, "t", MoEConfig(torch_threads=1, max_concurrent=1, context_length=128)) as eng:
+        assert eng.memory["compute"] == ("bf16" if kernel else "f32")
+        widened.clear()  # warm()'s
+        fused.clear()
+        events = eng.generate(GenerateRequest("n", prompt=prompt,
                                               sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
     assert events[-1].error is None and sum(len(e.token_ids) for e in events) == 4
     assert {n for _r, n in calls} == {rows}
-    assert any(r == 1 for r, _n in calls) and any(r > GEMV_ROWS for r, _n in calls)  # answer steps, prompt
+    assert any(r == 1 for r, _n in calls) and any(r > widen_kernel.ROWS for r, _n in calls)  # answer steps, prompt
+    if kernel:
+        assert fused == []  # bf16 products: torch's
+    else:  # every product of up to ROWS rows went through the kernel, and no more
+        assert sorted(widened) == sorted(r for r, _n in calls if r <= widen_kernel.ROWS)
+        # the answer steps' experts in one fused call each, the prompt's through linear
+        assert fused and max(fused) <= widen_kernel.ROWS
+        assert any(r > widen_kernel.ROWS for r, _n in calls)
 
 
 def test_an_unknown_compute_is_one_line(bf16_model):

@@ -1,6 +1,7 @@
 """engine/runtime/stored.py: the one matmul over weights kept in their storage dtype,
 widened (exact against f32) or native (in the weight's 16-bit dtype), and for how many rows
-each runs on this CPU."""
+each runs on this CPU. The widening kernel a decode step's few rows go through has its own
+tests (test_widen_kernel.py)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,26 @@ import pytest
 import torch
 
 from engine.runtime import stored
-from engine.runtime.stored import (ALL_ROWS, BLOCK_BYTES, GEMV_ROWS, StoredLinear, linear, native_matmul,
-                                   native_rows, quantize_rows)
+from engine.runtime import widen_kernel
+from engine.runtime.stored import (ALL_ROWS, BLOCK_BYTES, StoredLinear, linear, native_matmul, native_rows,
+                                   quantize_rows)
 
 
-def _weights(rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _weights(rows: int, cols: int, seed: int = 0, n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(rows, cols, generator=g) * 0.05).to(torch.bfloat16)
-    x = torch.randn(5, cols, generator=g)
+    x = torch.randn(n, cols, generator=g)
     return w, x
 
 
+@pytest.mark.parametrize("n", [5, widen_kernel.ROWS + 1])  # a decode step's rows (the kernel), a prefill's
 @pytest.mark.parametrize("rows", [64, 3 * BLOCK_BYTES // (4 * 256) + 7])  # one block, and several with a tail
-def test_widened_equals_f32_math_on_the_same_weights(rows):
-    w, x = _weights(rows, 256)
+def test_widened_equals_f32_math_on_the_same_weights(rows, n):
+    w, x = _weights(rows, 256, n=n)
     bias = torch.randn(rows)
     got = linear(x, w, bias=bias)
     want = torch.nn.functional.linear(x, w.float(), bias)
-    assert got.dtype == torch.float32 and got.shape == (5, rows)
+    assert got.dtype == torch.float32 and got.shape == (n, rows)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -74,12 +77,12 @@ def test_native_rows_picks_the_native_product_for_few_rows_and_widens_more():
 
 def test_native_rows_follow_the_cpu(monkeypatch):
     """A CPU with a 16-bit kernel multiplies every row count natively; one without (AVX2)
-    only a decode step's few rows; f32 and int8 weights never."""
+    none (the widening kernel reads the weight once for all rows); f32 and int8 weights never."""
     assert native_rows(torch.float32) == 0 and native_rows(torch.int8) == 0
     monkeypatch.setattr(stored, "native_matmul", lambda dtype: True)
     assert native_rows(torch.bfloat16) == ALL_ROWS and native_rows(torch.float16) == ALL_ROWS
     monkeypatch.setattr(stored, "native_matmul", lambda dtype: False)
-    assert native_rows(torch.bfloat16) == GEMV_ROWS and native_rows(torch.float16) == GEMV_ROWS
+    assert native_rows(torch.bfloat16) == 0 and native_rows(torch.float16) == 0
 
 
 def test_stored_linear_follows_its_native_rows():
