@@ -125,8 +125,8 @@ def _compute_variant(src: str) -> tuple[Row, ...]:
     what, gain, answers = _VARIANT_WHAT[variant]
     by = f"bevy_over_{short}_by_concurrency."
     same = "results.bevy.{c}.same_tokens_as_" + short
-    return (Row(f"Bevy (`compute` {{{src}:compute}}) over `{variant}` ({what}): what {gain} gain, at 1; 4; "
-                "16 requests", "; ".join(_f(src, by + c, "x") for c in CONCURRENCY), how),
+    return (Row(f"Bevy (`compute` auto) over `{variant}` ({what}): what {gain} gain, at 1; 4; 16 requests",
+                "; ".join(_f(src, by + c, "x") for c in CONCURRENCY), how),
             Row(f"Bevy's tokens equal to `{variant}`'s ({answers}) at 1; 4; 16 requests",
                 "; ".join(_f(src, same.format(c=c), "pct") for c in CONCURRENCY), how))
 
