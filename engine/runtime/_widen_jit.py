@@ -1,12 +1,15 @@
-"""The compiled loop of `widen_kernel` (imported on first use: importing numba costs time
-and memory a process without 16-bit weights never pays)."""
+"""The compiled loops of `widen_kernel` (imported on first use: importing numba costs time
+and memory a process without 16-bit weights never pays). Only numpy and numba here, so that
+`python -m engine.runtime._widen_jit` compiles them into numba's disk cache in a small child
+process (`widen_kernel.warm`)."""
 
+import os
 import sys
 
 import numpy as np
 from numba import njit, prange
 
-from engine.runtime.widen_kernel import BF16, FP16
+BF16, FP16, INT8 = 0, 1, 2  # how a weight's elements widen (the `kind` argument)
 
 # sums may be reordered (vectorized) and multiply-adds fused; no assumption about NaN/inf
 FAST = {"reassoc", "contract", "nsz"}
@@ -38,6 +41,41 @@ def widen_row(w, j, kind, bits, wide, r):
 
 
 @njit(inline="always")
+def scratch(width):
+    """Four weight rows' room, as bits and as the f32 values they are (one buffer)."""
+    bits = np.zeros((4, width), np.uint32)
+    return bits, bits.view(np.float32)
+
+
+@njit(inline="always")
+def span(t, total):
+    """The output rows [start, end) of parallel task t."""
+    return t * TASK_ROWS, min(total, (t + 1) * TASK_ROWS)
+
+
+@njit(inline="always")
+def widen_rows(w, j, end, kind, bits, wide):
+    """Rows j.. of w, four or up to `end`, widened into wide[0..]; how many."""
+    n = min(4, end - j)
+    for r in range(n):
+        widen_row(w, j + r, kind, bits, wide, r)
+    return n
+
+
+@njit(inline="always")
+def dot4(v, wide):
+    """One row of activations against the four widened weight rows: four sums."""
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for h in range(v.shape[0]):
+        a = v[h]
+        s0 += a * wide[0, h]
+        s1 += a * wide[1, h]
+        s2 += a * wide[2, h]
+        s3 += a * wide[3, h]
+    return s0, s1, s2, s3
+
+
+@njit(inline="always")
 def put(out, k, j, n, s0, s1, s2, s3):
     out[k, j] = s0
     if n > 1:
@@ -53,14 +91,10 @@ def kernel(x, w, kind, out):
     k_rows, width = x.shape
     j_rows = w.shape[0]
     for t in prange((j_rows + TASK_ROWS - 1) // TASK_ROWS):
-        bits = np.zeros((4, width), np.uint32)  # four weight rows, widened (past a tail: unused)
-        wide = bits.view(np.float32)
-        end = min(j_rows, (t + 1) * TASK_ROWS)
-        j = t * TASK_ROWS
+        bits, wide = scratch(width)  # four weight rows, widened (past a tail: unused)
+        j, end = span(t, j_rows)
         while j < end:
-            n = min(4, end - j)
-            for r in range(n):
-                widen_row(w, j + r, kind, bits, wide, r)
+            n = widen_rows(w, j, end, kind, bits, wide)
             k = 0
             while k + 2 <= k_rows:  # two rows of x against the four weight rows
                 a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
@@ -83,13 +117,7 @@ def kernel(x, w, kind, out):
                 put(out, k + 1, j, n, b0, b1, b2, b3)
                 k += 2
             if k < k_rows:
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for h in range(width):
-                    x0 = x[k, h]
-                    a0 += x0 * wide[0, h]
-                    a1 += x0 * wide[1, h]
-                    a2 += x0 * wide[2, h]
-                    a3 += x0 * wide[3, h]
+                a0, a1, a2, a3 = dot4(x[k], wide)
                 put(out, k, j, n, a0, a1, a2, a3)
             j += 4
 
@@ -109,10 +137,8 @@ def expert(x, rows, weights, gate_up, down, kind, gate_up_scale, down_scale, mid
     m, width = rows.shape[0], x.shape[1]
     inter = down.shape[1]
     for t in prange((inter + TASK_ROWS - 1) // TASK_ROWS):  # mid = silu(gate) * up, [m, I]
-        bits = np.zeros((4, width), np.uint32)  # gate j, up j, gate j+1, up j+1
-        wide = bits.view(np.float32)
-        end = min(inter, (t + 1) * TASK_ROWS)
-        j = t * TASK_ROWS
+        bits, wide = scratch(width)  # gate j, up j, gate j+1, up j+1
+        j, end = span(t, inter)
         while j < end:
             two = j + 1 < end
             widen_row(gate_up, j, kind, bits, wide, 0)
@@ -121,14 +147,7 @@ def expert(x, rows, weights, gate_up, down, kind, gate_up_scale, down_scale, mid
                 widen_row(gate_up, j + 1, kind, bits, wide, 2)
                 widen_row(gate_up, inter + j + 1, kind, bits, wide, 3)
             for k in range(m):
-                r = rows[k]
-                g0 = u0 = g1 = u1 = np.float32(0.0)
-                for h in range(width):
-                    xv = x[r, h]
-                    g0 += xv * wide[0, h]
-                    u0 += xv * wide[1, h]
-                    g1 += xv * wide[2, h]
-                    u1 += xv * wide[3, h]
+                g0, u0, g1, u1 = dot4(x[rows[k]], wide)
                 if gate_up_scale.shape[0]:
                     g0 *= gate_up_scale[j]
                     u0 *= gate_up_scale[inter + j]
@@ -140,23 +159,12 @@ def expert(x, rows, weights, gate_up, down, kind, gate_up_scale, down_scale, mid
                     mid[k, j + 1] = _silu(g1) * u1
             j += 2
     for t in prange((width + TASK_ROWS - 1) // TASK_ROWS):  # acc[rows] += weights * (mid @ down.T)
-        bits = np.zeros((4, inter), np.uint32)
-        wide = bits.view(np.float32)
-        end = min(width, (t + 1) * TASK_ROWS)
-        j = t * TASK_ROWS
+        bits, wide = scratch(inter)
+        j, end = span(t, width)
         while j < end:
-            n = min(4, end - j)
-            for q in range(n):
-                widen_row(down, j + q, kind, bits, wide, q)
+            n = widen_rows(down, j, end, kind, bits, wide)
             for k in range(m):
-                s0 = s1 = s2 = s3 = np.float32(0.0)
-                for i in range(inter):
-                    v = mid[k, i]
-                    s0 += v * wide[0, i]
-                    s1 += v * wide[1, i]
-                    s2 += v * wide[2, i]
-                    s3 += v * wide[3, i]
-                sums = (s0, s1, s2, s3)
+                sums = dot4(mid[k], wide)
                 r = rows[k]
                 for q in range(n):
                     s = sums[q]
@@ -164,3 +172,26 @@ def expert(x, rows, weights, gate_up, down, kind, gate_up_scale, down_scale, mid
                         s *= down_scale[j + q]
                     acc[r, j + q] += weights[k] * s
             j += 4
+
+
+def compile_all() -> None:
+    """Compile (or load) both loops for 16-bit and int8 weights, on tiny arrays."""
+    x, rows, one = np.zeros((2, 4), np.float32), np.zeros(1, np.int64), np.ones(1, np.float32)
+    none = np.empty(0, np.float32)
+    for kind, w in ((BF16, np.zeros((4, 4), np.uint16)), (INT8, np.zeros((4, 4), np.int8))):
+        scale = np.ones(4, np.float32) if kind == INT8 else none
+        kernel(x, w, kind, np.empty((2, 4), np.float32))
+        expert(x, rows, one, w, w[:, :2].copy(), kind, scale, scale, np.empty((1, 2), np.float32),
+               np.zeros((2, 4), np.float32))
+
+
+def on_disk() -> bool:
+    """Whether numba's disk cache already holds both loops (then a process only loads them)."""
+    try:
+        return all(os.path.exists(f._cache._cache_file._index_path) for f in (kernel, expert))
+    except AttributeError:  # no disk cache (a frozen app), or numba's internals moved
+        return False
+
+
+if __name__ == "__main__":
+    compile_all()

@@ -19,10 +19,11 @@ widened blocks is faster: `stored.linear` hands this kernel at most `ROWS` rows.
 down, the routing-weighted add), so a decode step's expert costs its weight reads and not
 a dozen small torch calls besides.
 
-Compiled by numba (LLVM, for the CPU it runs on) at the first use in a process -- `warm()`
-does it before a capped engine sizes its cache -- and kept in numba's on-disk cache next to
-this file (or its per-user cache where this folder is read-only; not at all in a frozen
-app), so later processes only load it. Parallel over output rows on torch's thread count,
+Compiled by numba (LLVM, for the CPU it runs on) into numba's on-disk cache next to
+`_widen_jit.py` (or its per-user cache where that folder is read-only), so a process only
+loads them: `warm()`, before a capped engine sizes its cache, compiles them in a short-lived
+child process when the cache lacks them, so what the compiler takes is given back (a frozen
+app has no disk cache and compiles them in the process). Parallel over output rows on torch's thread count,
 without the GIL (the expert readers run meanwhile). numba's thread pools differ by platform
 (OpenMP or TBB, else its own `workqueue`, which must not be entered from two threads at
 once), so calls are serialized: two engines in one process would share the cores anyway.
@@ -30,26 +31,27 @@ once), so calls are serialized: two engines in one process would share the cores
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import torch
 
 ROWS = 24  # up to this many rows of x: the kernel; more: stored.linear's widened blocks + sgemm
-BF16, FP16, INT8 = 0, 1, 2  # how `w`'s elements widen
-_KINDS = {torch.bfloat16: BF16, torch.float16: FP16, torch.int8: INT8}
+_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
 _lock = threading.Lock()
 _module = None  # engine.runtime._widen_jit, once imported
 
 
 def handles(w: torch.Tensor) -> bool:
     """Whether the kernel takes this weight: 16-bit or int8, 2-D, rows contiguous."""
-    return w.dtype in _KINDS and w.dim() == 2 and w.is_contiguous()
+    return w.dtype in _DTYPES and w.dim() == 2 and w.is_contiguous()
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [K, in] f32 @ widen(w)[out, in].T -> [K, out] f32 (int8: times `scale` [out] per column)."""
-    kind = _KINDS[w.dtype]
+    kind = _kind(w.dtype)
     xs = np.ascontiguousarray(x.detach().float().numpy())  # [K, in]
     ws = _bits(w)  # [out, in], no copy
     out = np.empty((xs.shape[0], ws.shape[0]), dtype=np.float32)  # [K, out]
@@ -74,7 +76,7 @@ def expert(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, gate_up: 
     [H, I] of one kind (`handles`), int8 with their row scales. The gathers, the activation
     and the weighted adds happen in the kernel, between the two products, so a decode
     step's expert costs its weight reads and not a dozen small torch calls."""
-    kind = _KINDS[gate_up.dtype]
+    kind = _kind(gate_up.dtype)
     none = np.empty(0, dtype=np.float32)
     mid = np.empty((rows.shape[0], down.shape[1]), dtype=np.float32)  # [m, I]
     kernel = _compiled_expert()
@@ -86,21 +88,27 @@ def expert(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, gate_up: 
 
 
 def warm() -> None:
-    """Compile (or load from numba's cache) the kernels for every weight kind now, so the
-    first decode step does not, and a capped process has paid the compiler's memory
-    before it decides how much is left."""
-    x = torch.zeros(2, 4)
-    for dtype in _KINDS:
-        scale = torch.ones(4) if dtype == torch.int8 else None
-        w = torch.zeros(4, 4, dtype=dtype)
-        matmul(x, w, scale)
-        expert(x, torch.zeros(1, dtype=torch.long), torch.ones(1), w, torch.zeros(4, 2, dtype=dtype), scale,
-               scale, torch.zeros(2, 4))
+    """Have the kernels ready now, so the first decode step does not compile them and a
+    capped process has paid their memory before it decides how much is left. Where numba's
+    disk cache lacks them they are compiled in a child process that then exits: what the
+    compiler takes is given back, and this process only loads them (in a frozen app, or if
+    the child fails, they are compiled here)."""
+    jit = _jit()
+    if not getattr(sys, "frozen", False) and not jit.on_disk():
+        subprocess.run([sys.executable, "-m", "engine.runtime._widen_jit"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=600, check=False)
+    with _lock:
+        jit.compile_all()
 
 
 def _bits(w: torch.Tensor) -> np.ndarray:
     """w's elements as numpy sees them, no copy: int8 as is, 16-bit as their uint16 bits."""
     return w.numpy() if w.dtype == torch.int8 else w.view(torch.int16).numpy().view(np.uint16)
+
+
+def _kind(dtype: torch.dtype) -> int:
+    jit = _jit()
+    return {torch.bfloat16: jit.BF16, torch.float16: jit.FP16, torch.int8: jit.INT8}[dtype]
 
 
 def _threads() -> None:
