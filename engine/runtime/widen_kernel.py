@@ -39,14 +39,14 @@ import numpy as np
 import torch
 
 ROWS = 24  # up to this many rows of x: the kernel; more: stored.linear's widened blocks + sgemm
-_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
+_KINDS = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.int8: "INT8"}  # -> _widen_jit's kind constants
 _lock = threading.Lock()
 _module = None  # engine.runtime._widen_jit, once imported
 
 
 def handles(w: torch.Tensor) -> bool:
     """Whether the kernel takes this weight: 16-bit or int8, 2-D, rows contiguous."""
-    return w.dtype in _DTYPES and w.dim() == 2 and w.is_contiguous()
+    return w.dtype in _KINDS and w.dim() == 2 and w.is_contiguous()
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,7 +55,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) 
     xs = np.ascontiguousarray(x.detach().float().numpy())  # [K, in]
     ws = _bits(w)  # [out, in], no copy
     out = np.empty((xs.shape[0], ws.shape[0]), dtype=np.float32)  # [K, out]
-    kernel = _compiled()
+    kernel = _jit().kernel
     with _lock:
         _threads()
         kernel(xs, ws, kind, out)
@@ -79,7 +79,7 @@ def expert(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, gate_up: 
     kind = _kind(gate_up.dtype)
     none = np.empty(0, dtype=np.float32)
     mid = np.empty((rows.shape[0], down.shape[1]), dtype=np.float32)  # [m, I]
-    kernel = _compiled_expert()
+    kernel = _jit().expert
     with _lock:
         _threads()
         kernel(x.numpy(), rows.numpy(), weights.detach().float().contiguous().numpy(), _bits(gate_up), _bits(down),
@@ -107,8 +107,7 @@ def _bits(w: torch.Tensor) -> np.ndarray:
 
 
 def _kind(dtype: torch.dtype) -> int:
-    jit = _jit()
-    return {torch.bfloat16: jit.BF16, torch.float16: jit.FP16, torch.int8: jit.INT8}[dtype]
+    return getattr(_jit(), _KINDS[dtype])
 
 
 def _threads() -> None:
@@ -127,11 +126,3 @@ def _jit():
 
                 _module = _widen_jit
     return _module
-
-
-def _compiled():
-    return _jit().kernel
-
-
-def _compiled_expert():
-    return _jit().expert
