@@ -59,7 +59,8 @@ def built():
 def unpacked(built, tmp_path_factory):
     root = tmp_path_factory.mktemp("deb-root")
     subprocess.run(["dpkg-deb", "-x", built["deb"], str(root)], check=True)
-    return root
+    yield root
+    shutil.rmtree(root, ignore_errors=True)  # the unpacked bundle is about as big as the .deb's contents
 
 
 @pytest.fixture(scope="module")
