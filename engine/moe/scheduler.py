@@ -33,10 +33,10 @@ and each expert is applied once to all rows that wait for it.
   guesses when it would idle: each batch that enters a layer applies the next
   MoE layer's router to its hidden state and asks for the experts it picks as
   idle-fill reads (fetcher.py: after every real miss, one at a time, replaced
-  by the next batch's guesses). A guess nobody used is counted
-  (cache.stats.unasked_unused). Not Bevy's default: beside it in
-  `bench moe --quick` it was 1.08x Bevy's speed in one set of runs and
-  0.96x in the next, with a third of its guesses used (docs/moe.md).
+  by the next batch's guesses); a batch at the last MoE layer, whose head
+  follows, asks for the first MoE layer's likely experts (next_pass_guesses).
+  A guess nobody used is counted (cache.stats.unasked_unused). Not Bevy's
+  default: `bench moe` runs it beside Bevy (docs/moe.md has the sets).
 * "bevy_one_wave", "bevy_two_waves" (ablations): Bevy whose requests always
   move as one wave (Bevy before its two waves), or always as two.
 * "on_demand" (lockstep, llama.cpp-style): all sequences advance layer by
@@ -373,6 +373,7 @@ class BevyScheduler(Scheduler):
         self._held: set[Key] = set()  # arrived for waiters, pinned once, waiters not all served yet
         self._batches: list[Batch] = []  # batches at some layer with requests waiting for experts
         self._asked: dict[Key, float] = {}  # fetches asked for, at which priority
+        self._picks: dict[int, dict[int, int]] = {}  # layer -> expert -> requests that picked it (guesses)
         # Requests done with a layer, not yet attended at the next: layer -> [(batch, requests)].
         self._entering: dict[int, list[tuple[Batch, list[int]]]] = {}
 
@@ -545,10 +546,18 @@ class BevyScheduler(Scheduler):
         replace the guesses of the batch before, which it has passed or nearly."""
         if not self.guess or b.h is None:
             return
+        picks = self._picks.setdefault(b.layer, {})
+        for e, by in b.route.items():
+            picks[e] = picks.get(e, 0) + len(by)
         nxt = min((layer for layer in self.model.moe_layers if layer > b.layer), default=None)
-        if nxt is None:
-            return
         self.fetcher.drop_fills()
+        if nxt is None:  # the pass ends with the head: the disk would idle through it
+            first = min(self.model.moe_layers)
+            absent = [e for e in range(self.model.index.num_experts) if not self.cache.resident((first, e))]
+            for e in next_pass_guesses(self._picks.get(first, {}), absent, self.model.index.num_experts,
+                                       self.model.top_k, len(b.states)):
+                self.fetcher.request((first, e), priority=-0.5, hold=False)
+            return
         for e, n in sorted(self.model.predict_counts(nxt, b.h).items(), key=lambda kv: -kv[1]):
             if not self.cache.resident((nxt, e)):
                 self.fetcher.request((nxt, e), priority=-1.0 / (1 + n), hold=False)
@@ -598,6 +607,22 @@ def two_waves(disk_s: float, compute_s: float, split_s: float, waves: int) -> bo
     if waves < 2:
         return disk_s > compute_s + split_s
     return disk_s > compute_s
+
+
+def next_pass_guesses(picks: dict[int, int], absent: list[int], experts: int, top_k: int,
+                      rows: int) -> list[int]:
+    """What bevy_guess reads while a pass runs the head: the first MoE layer's experts the
+    next pass of its `rows` requests will likely pick, of the `absent` ones (not resident).
+
+    No hidden state tells them (the next tokens are not sampled yet). A request picks top_k
+    of `experts`, so an absent expert is needed by one of `rows` requests with probability
+    1 - (1 - top_k/experts)**rows if routing were uniform: below one half a read is more
+    likely wasted than used, and none is guessed. Else as many as the requests would miss
+    on average, the ones picked most so far (`picks`) first."""
+    used = 1.0 - (1.0 - top_k / experts) ** rows
+    if used < 0.5:
+        return []
+    return sorted(absent, key=lambda e: (-picks.get(e, 0), e))[:round(used * len(absent))]
 
 
 def wave_count(requests: int, experts: int, top_k: int, cache_slots: int) -> int:

@@ -6,7 +6,7 @@ its rows, so a wave of requests split across entries pays them again; requests w
 rest of their wave only while the disk is busy serving it. Two waves fill each other's
 moments without reads, when the cache holds what both need."""
 
-from engine.moe.scheduler import entering_now, two_waves, wave_count
+from engine.moe.scheduler import entering_now, next_pass_guesses, two_waves, wave_count
 
 
 def w0(*layers: int) -> list[tuple[int, int]]:
@@ -78,3 +78,18 @@ def test_two_waves_stay_while_the_disk_is_the_slower():
     # in two waves the compute holds the split's cost already
     assert two_waves(disk_s=0.034, compute_s=0.030, split_s=0.010, waves=2)
     assert not two_waves(disk_s=0.030, compute_s=0.034, split_s=0.010, waves=2)
+
+
+def test_before_a_head_bevy_guess_reads_nothing_for_a_request_or_two():
+    # one request picking 8 of 128 experts needs an absent one with chance 6 %: a read would be wasted
+    assert next_pass_guesses({5: 9}, list(range(100)), 128, 8, rows=1) == []
+    assert next_pass_guesses({}, list(range(8)), 8, 2, rows=1) == []  # 2 of 8: 25 %
+
+
+def test_before_a_head_bevy_guess_reads_the_likely_misses_most_picked_first():
+    absent = list(range(10, 60))
+    picks = {40: 7, 12: 3, 55: 3, 3: 99}  # expert 3 is resident: never read
+    got = next_pass_guesses(picks, absent, 128, 8, rows=16)
+    used = 1 - (1 - 8 / 128) ** 16  # 0.64: the share of the absent ones the requests will pick
+    assert len(got) == round(used * len(absent)) == 32
+    assert got[:3] == [40, 12, 55] and set(got) <= set(absent) and len(set(got)) == len(got)
