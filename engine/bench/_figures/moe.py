@@ -13,7 +13,7 @@ from engine.bench._report import REPO_ROOT, Row, Table
 
 SOURCES = {"moe-quick": "`flotilla bench moe --quick`",
            "moe-quick-avx2": ("`flotilla bench moe --quick --schedulers "
-                              "bevy,on_demand,prefetch,bevy_native,bevy_two_waves`"),
+                              "bevy,on_demand,prefetch,bevy_native,bevy_two_waves,bevy_guess`"),
            "moe-mixtral": "`flotilla bench moe --shape mixtral-8x7b --tokens 8`"}
 SCHEDULERS = ("bevy", "on_demand", "prefetch")
 CONCURRENCY = ("1", "4", "16")
@@ -58,11 +58,13 @@ def _headline(src: str) -> Table:
 
 
 # Sources whose runs include the bevy_guess ablation (Bevy reading guesses when its disk would idle).
-RUNS_GUESS = ("moe-quick",)
+RUNS_GUESS = ("moe-quick", "moe-quick-avx2")
 
 
 def _guess(src: str) -> tuple[Row, ...]:
-    how = f"{SOURCES[src]} `--schedulers bevy,on_demand,prefetch,bevy_guess`"
+    how = SOURCES[src]  # a source that names its schedulers already names bevy_guess
+    if "--schedulers" not in how:
+        how += " `--schedulers bevy,on_demand,prefetch,bevy_guess`"
     p = "results.bevy_guess.16."
     return (Row("`bevy_guess` (ablation: Bevy's disk reads guessed experts when it would idle) over Bevy",
                 f"{_f(src, 'bevy_guess_over_bevy', 'x')} at 16 requests; it read "
