@@ -542,8 +542,9 @@ class BevyScheduler(Scheduler):
 
     def _guess(self, b: Batch) -> None:
         """The experts b will likely need at the next MoE layer (that layer's router on
-        b's hidden state here), asked for as idle-fill reads, the most picked first; they
-        replace the guesses of the batch before, which it has passed or nearly."""
+        b's hidden state here; after the last one, the next pass's first: next_pass_guesses),
+        asked for as idle-fill reads, the most picked first; they replace the guesses of the
+        batch before, which it has passed or nearly."""
         if not self.guess or b.h is None:
             return
         picks = self._picks.setdefault(b.layer, {})
@@ -609,6 +610,12 @@ def two_waves(disk_s: float, compute_s: float, split_s: float, waves: int) -> bo
     return disk_s > compute_s
 
 
+def picked_share(experts: int, top_k: int, requests: int) -> float:
+    """The chance that `requests` tokens, each picking top_k of `experts` uniformly, pick a
+    given expert: also the expected share of the experts they pick between them."""
+    return 1.0 - (1.0 - top_k / experts) ** requests
+
+
 def next_pass_guesses(picks: dict[int, int], absent: list[int], experts: int, top_k: int,
                       rows: int) -> list[int]:
     """What bevy_guess reads while a pass runs the head: the first MoE layer's experts the
@@ -619,7 +626,7 @@ def next_pass_guesses(picks: dict[int, int], absent: list[int], experts: int, to
     1 - (1 - top_k/experts)**rows if routing were uniform: below one half a read is more
     likely wasted than used, and none is guessed. Else as many as the requests would miss
     on average, the ones picked most so far (`picks`) first."""
-    used = 1.0 - (1.0 - top_k / experts) ** rows
+    used = picked_share(experts, top_k, rows)
     if used < 0.5:
         return []
     return sorted(absent, key=lambda e: (-picks.get(e, 0), e))[:round(used * len(absent))]
@@ -635,7 +642,7 @@ def wave_count(requests: int, experts: int, top_k: int, cache_slots: int) -> int
     need every expert of a layer: one wave)."""
     if requests < 2:
         return 1
-    distinct = experts * (1.0 - (1.0 - top_k / experts) ** requests)
+    distinct = experts * picked_share(experts, top_k, requests)
     return 2 if 2 * distinct <= cache_slots else 1
 
 

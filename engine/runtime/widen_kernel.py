@@ -91,10 +91,10 @@ def warm() -> None:
     """Have the kernels ready now, so the first decode step does not compile them and a
     capped process has paid their memory before it decides how much is left. Where numba's
     disk cache lacks them they are compiled in a child process that then exits: what the
-    compiler takes is given back, and this process only loads them (in a frozen app, or if
-    the child fails, they are compiled here)."""
+    compiler takes is given back, and this process only loads them (without a disk cache, as
+    in a frozen app, or if the child fails, they are compiled here)."""
     jit = _jit()
-    if not getattr(sys, "frozen", False) and not jit.on_disk():
+    if jit.CACHE and not jit.on_disk():
         subprocess.run([sys.executable, "-m", "engine.runtime._widen_jit"], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, timeout=600, check=False)
     with _lock:
