@@ -23,12 +23,13 @@ and each expert is applied once to all rows that wait for it.
   (the head reads nothing), and while the disk has nothing to read they enter
   before any ready expert work, so that their misses are read meanwhile.
   Within a layer no request waits for another's experts.
-  Fetch threads read while this thread computes. While the disk is the slower
-  of the two even with a second head and attention paid, and the cache holds
-  two layers' worth of the experts the requests pick, the requests move as two
-  waves that do not wait for each other (two_waves, wave_count): one wave's
-  reads fill the moments the other computes a layer's last experts, attends the
-  next layer or runs the head, when it has nothing to read itself.
+  Fetch threads read while this thread computes. While one wave leaves both
+  the disk and the compute waiting on each other for longer than a part of a
+  second head and attention would cost, and the cache holds two layers' worth
+  of the experts the requests pick, the requests move as two waves that do not
+  wait for each other (two_waves, wave_count): one wave's reads fill the
+  moments the other computes a layer's last experts, attends the next layer or
+  runs the head, when it has nothing to read itself.
 * "bevy_guess" (an ablation, not a listed scheduler): Bevy whose disk reads
   guesses when it would idle: each batch that enters a layer applies the next
   MoE layer's router to its hidden state and asks for the experts it picks as
@@ -367,7 +368,7 @@ class BevyScheduler(Scheduler):
         self.guess = guess  # idle-fill reads of the next layer's guessed experts
         self.fixed_waves = waves  # None: one or two as the passes' costs say (_decide_waves); the ablations fix it
         self.waves = waves or 1  # waves in use now
-        self._window = self._totals()  # compute, disk-busy and split-cost seconds at the last decision
+        self._window = self._totals()  # wall, compute, disk-busy and split-cost seconds at the last decision
         self._prompt_fed = False  # a pass since then fed more than one token of a request
         self.name = "bevy_guess" if guess else {None: "bevy", 1: "bevy_one_wave", 2: "bevy_two_waves"}[waves]
         self._held: set[Key] = set()  # arrived for waiters, pinned once, waiters not all served yet
@@ -395,23 +396,24 @@ class BevyScheduler(Scheduler):
         """The wave seq moves with now (every request is wave 0 while Bevy moves one)."""
         return seq.wave if self.waves > 1 else 0
 
-    def _totals(self) -> tuple[float, float, float]:
-        """(compute, disk busy, one wave's split cost: head + attention) seconds so far."""
+    def _totals(self) -> tuple[float, float, float, float]:
+        """(wall, compute, disk busy, one wave's split cost: head + attention) seconds so far."""
         ph = self.stats.phase_s
-        return (self.stats.compute_s, self.fetcher.busy_time(), ph.get("head", 0.0) + ph.get("attention", 0.0))
+        return (time.perf_counter(), self.stats.compute_s, self.fetcher.busy_time(),
+                ph.get("head", 0.0) + ph.get("attention", 0.0))
 
     def _decide_waves(self) -> None:
         """One wave or two for the passes that start now, from what the last ones cost (a
         window with a prompt chunk in it says nothing of the answers' steps: kept as is)."""
         now = self._totals()
-        compute, busy, split = (a - b for a, b in zip(now, self._window))
+        wall, compute, busy, split = (a - b for a, b in zip(now, self._window))
         self._window, prompt = now, self._prompt_fed
         self._prompt_fed = False
         if self.fixed_waves is not None or prompt:
             return
         fits = wave_count(len(self.seqs), self.model.index.num_experts, self.model.top_k,
                           self.cache.capacity) >= 2
-        self.waves = 2 if fits and two_waves(busy, compute, split, self.waves) else 1
+        self.waves = 2 if fits and two_waves(wall, compute, busy, split, self.waves) else 1
 
     def tick(self, rounds: int = 16) -> None:
         """Rounds until one has nothing to compute (then it waited for an expert to
@@ -592,22 +594,32 @@ class BevyScheduler(Scheduler):
             self._asked.pop(key, None)
 
 
-def two_waves(disk_s: float, compute_s: float, split_s: float, waves: int) -> bool:
-    """Whether Bevy's next passes move in two waves, from the last ones' seconds: the
-    disk's busy time, the scheduler's compute time, and the part of it a second wave
-    pays again (one more head and one more attention per layer: their time in one wave).
+# Of one wave's head + attention time, the part a second wave adds when the requests split
+# (tuned by hand on the AVX2 set of docs/moe.md; at 16 rows the widening kernels' time grows
+# with the rows, so half the rows twice costs far less than twice).
+SPLIT_COST = 0.3
+# In two waves, the compute thread's busy share of the wall time above which the split's extra
+# compute is what the requests wait for: back to one wave.
+COMPUTE_BOUND = 0.95
+
+
+def two_waves(wall_s: float, compute_s: float, disk_s: float, split_s: float, waves: int) -> bool:
+    """Whether Bevy's next passes move in two waves, from the last window's seconds: its
+    wall time, the scheduler's compute time, the disk's busy time, and one wave's head and
+    attention time (what a second wave pays again, in part: SPLIT_COST).
 
     One wave pays each layer's attention and the head once a step, but while it computes
     the experts that landed last for a layer, attends the next one and runs the head, no
-    request of it has a miss to read: the disk idles (`bench moe`'s idle time by phase).
-    Two waves that move independently fill those moments with each other's reads, at the
-    cost of that compute paid twice. That pays only while the disk stays the slower of
-    the two with the cost added: from one wave, split when the disk's time exceeds the
-    compute plus the split's cost; in two, stay while it exceeds the compute (which holds
-    the cost already)."""
+    request of it has a miss to read: the disk idles; and while it waits for a read, the
+    compute idles. The wall time beyond the busier of the two (compute, disk) is that
+    stall. Two waves that move independently fill it with each other's work. From one
+    wave: split when the stall is worth more than the split's extra compute. In two:
+    stay until the compute is busy nearly all the time (COMPUTE_BOUND), where that extra
+    compute is what the requests wait for. (A disk busy all the time has no stall: one
+    wave.)"""
     if waves < 2:
-        return disk_s > compute_s + split_s
-    return disk_s > compute_s
+        return wall_s - max(compute_s, disk_s) > SPLIT_COST * split_s
+    return compute_s < COMPUTE_BOUND * wall_s
 
 
 def picked_share(experts: int, top_k: int, requests: int) -> float:

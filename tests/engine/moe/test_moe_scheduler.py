@@ -65,19 +65,21 @@ def test_a_few_wide_experts_are_one_wave():
     assert wave_count(2, experts=8, top_k=2, cache_slots=5) == 1
 
 
-def test_one_wave_splits_when_the_disk_stays_the_slower_with_the_split_s_cost():
-    # per step: the disk busy 36 ms, compute 25 ms, of which head + attention 5 ms
-    assert two_waves(disk_s=0.036, compute_s=0.025, split_s=0.005, waves=1)
-    # compute-bound (the disk 52 ms, compute 63 ms): a second head and attention would only add
-    assert not two_waves(disk_s=0.052, compute_s=0.063, split_s=0.010, waves=1)
-    # the disk only just slower: the split's cost would make compute the slower
-    assert not two_waves(disk_s=0.036, compute_s=0.033, split_s=0.005, waves=1)
+def test_one_wave_splits_when_its_stall_outweighs_the_split_s_cost():
+    # per window: wall 60 ms, the disk busy 36 ms, compute 40 ms of which head + attention 20 ms;
+    # 20 ms with neither busy enough, against 0.3 x 20 ms a second wave would add
+    assert two_waves(wall_s=0.060, compute_s=0.040, disk_s=0.036, split_s=0.020, waves=1)
+    # compute-bound: the compute busy nearly all the wall time, nothing to fill
+    assert not two_waves(wall_s=0.065, compute_s=0.063, disk_s=0.052, split_s=0.010, waves=1)
+    # the disk busy all the time: a second wave cannot read more
+    assert not two_waves(wall_s=0.060, compute_s=0.030, disk_s=0.059, split_s=0.010, waves=1)
+    # a stall smaller than the split's cost
+    assert not two_waves(wall_s=0.050, compute_s=0.045, disk_s=0.040, split_s=0.020, waves=1)
 
 
-def test_two_waves_stay_while_the_disk_is_the_slower():
-    # in two waves the compute holds the split's cost already
-    assert two_waves(disk_s=0.034, compute_s=0.030, split_s=0.010, waves=2)
-    assert not two_waves(disk_s=0.030, compute_s=0.034, split_s=0.010, waves=2)
+def test_two_waves_stay_until_the_compute_is_busy_nearly_all_the_time():
+    assert two_waves(wall_s=0.050, compute_s=0.045, disk_s=0.040, split_s=0.020, waves=2)
+    assert not two_waves(wall_s=0.050, compute_s=0.048, disk_s=0.040, split_s=0.020, waves=2)
 
 
 def test_before_a_head_bevy_guess_reads_nothing_for_a_request_or_two():
