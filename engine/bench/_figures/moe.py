@@ -93,7 +93,7 @@ RUNS_TWO_WAVES = ("moe-quick-avx2",)
 def _two_waves(src: str) -> tuple[Row, ...]:
     by = "bevy_over_two_waves_by_concurrency."
     return (Row("Bevy over `bevy_two_waves` (ablation: Bevy's requests always in two waves), at 1; 4; 16 "
-                "requests: below 1, the two waves Bevy's rule did not choose would have been faster",
+                "requests: below 1, always two waves would have been faster than its rule's choice",
                 "; ".join(_f(src, by + c, "x") for c in CONCURRENCY) + "; Bevy started "
                 f"{_f(src, 'results.bevy.16.two_waves_frac', 'pct')} of its request passes in two waves at 16 "
                 f"requests, {_f(src, 'results.bevy.4.two_waves_frac', 'pct')} at 4", SOURCES[src]),)
