@@ -1,10 +1,13 @@
 """The compiled loops of `widen_kernel` (imported on first use: importing numba costs time
 and memory a process without 16-bit weights never pays). Only numpy and numba here, so that
 `python -m engine.runtime._widen_jit` compiles them into numba's disk cache in a small child
-process (`widen_kernel.warm`)."""
+process (`widen_kernel.warm`).
+
+numba keys its disk cache on this file: the app's bundle ships it as a source file
+(installers/flotilla.spec), so a frozen app caches the loops too (in its own folder, or the
+user's cache folder where that is read-only), keyed on the executable."""
 
 import os
-import sys
 
 import numpy as np
 from numba import njit, prange
@@ -13,8 +16,6 @@ BF16, FP16, INT8 = 0, 1, 2  # how a weight's elements widen (the `kind` argument
 
 # sums may be reordered (vectorized) and multiply-adds fused; no assumption about NaN/inf
 FAST = {"reassoc", "contract", "nsz"}
-# a frozen app (PyInstaller) has no source files for numba's disk cache to key on
-CACHE = not getattr(sys, "frozen", False)
 TASK_ROWS = 32  # output rows per parallel task
 
 
@@ -86,7 +87,7 @@ def put(out, k, j, n, s0, s1, s2, s3):
         out[k, j + 3] = s3
 
 
-@njit(parallel=True, fastmath=FAST, cache=CACHE, nogil=True)
+@njit(parallel=True, fastmath=FAST, cache=True, nogil=True)
 def kernel(x, w, kind, out):
     k_rows, width = x.shape
     j_rows = w.shape[0]
@@ -127,7 +128,7 @@ def _silu(v):
     return v / (np.float32(1.0) + np.exp(-v))
 
 
-@njit(parallel=True, fastmath=FAST, cache=CACHE, nogil=True)
+@njit(parallel=True, fastmath=FAST, cache=True, nogil=True)
 def expert(x, rows, weights, gate_up, down, kind, gate_up_scale, down_scale, mid, acc):
     """acc[rows[k]] += weights[k] * down(silu(gate(x[rows[k]])) * up(x[rows[k]])) for every k.
 
@@ -189,7 +190,7 @@ def on_disk() -> bool:
     """Whether numba's disk cache already holds both loops (then a process only loads them)."""
     try:
         return all(os.path.exists(f._cache._cache_file._index_path) for f in (kernel, expert))
-    except AttributeError:  # no disk cache (a frozen app), or numba's internals moved
+    except AttributeError:  # numba's internals moved
         return False
 
 

@@ -4,8 +4,9 @@ A budget is decided once the resident weights are loaded, from `room` -- the RAM
 process may still take (engine.platform.memory.memory_room: free RAM, or what its memory
 cgroup's limit leaves) -- minus the KV reserve (context x concurrent requests, reserved up
 front but not yet touched), the working memory of one pass, and CODE_RESIDENT_BYTES for the
-process's own code. No budget given: all that is left, at most the whole store. A budget below the minimum (one layer's active set) or
-above what is left is refused with the numbers, never trimmed silently.
+process's own code. No budget given: all that is left, at most the whole store. A budget
+below the minimum (one layer's active set) or above what is left is refused with the
+numbers, never trimmed silently.
 """
 
 from __future__ import annotations

@@ -23,10 +23,11 @@ Compiled by numba (LLVM, for the CPU it runs on) into numba's on-disk cache next
 `_widen_jit.py` (or its per-user cache where that folder is read-only), so a process only
 loads them: `warm()`, before a capped engine sizes its cache, compiles them in a short-lived
 child process when the cache lacks them, so what the compiler takes is given back (a frozen
-app has no disk cache and compiles them in the process). Parallel over output rows on torch's thread count,
-without the GIL (the expert readers run meanwhile). numba's thread pools differ by platform
-(OpenMP or TBB, else its own `workqueue`, which must not be entered from two threads at
-once), so calls are serialized: two engines in one process would share the cores anyway.
+app too: its bundle ships `_widen_jit.py` as a source file for numba to key on). Parallel over
+output rows on torch's thread count, without the GIL (the expert readers run meanwhile).
+numba's thread pools differ by platform (OpenMP or TBB, else its own `workqueue`, which must
+not be entered from two threads at once), so calls are serialized: two engines in one
+process would share the cores anyway.
 """
 
 from __future__ import annotations
@@ -91,10 +92,10 @@ def warm() -> None:
     """Have the kernels ready now, so the first decode step does not compile them and a
     capped process has paid their memory before it decides how much is left. Where numba's
     disk cache lacks them they are compiled in a child process that then exits: what the
-    compiler takes is given back, and this process only loads them (without a disk cache, as
-    in a frozen app, or if the child fails, they are compiled here)."""
+    compiler takes is given back, and this process only loads them (if the child fails, they
+    are compiled here)."""
     jit = _jit()
-    if jit.CACHE and not jit.on_disk():
+    if not jit.on_disk():
         subprocess.run([sys.executable, "-m", "engine.runtime._widen_jit"], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, timeout=600, check=False)
     with _lock:

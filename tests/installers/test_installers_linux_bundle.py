@@ -143,6 +143,26 @@ def test_agent_executable(unpacked, bundle_env):
     assert res.returncode == 0 and json.loads(res.stdout)["idle_minutes"] > 0, res.stderr
 
 
+def test_widening_kernels_compile_once_into_a_disk_cache(unpacked, bundle_env):
+    """The MoE and sparse engines' 16-bit kernels (numba): the app's first engine process has
+    them compiled into numba's disk cache (in a child that then exits), and later ones, from
+    any folder, only load them: no compiler time or memory in each engine process."""
+    exe = unpacked / "opt/flotilla/flotilla"
+    code = ("from engine.runtime import widen_kernel as w; j = w._jit(); before = j.on_disk(); w.warm(); "
+            "print(before, j.on_disk(), j.kernel.py_func.__code__.co_filename)")
+    runs = []
+    for cwd in (bundle_env["HOME"], str(unpacked)):
+        res = subprocess.run([str(exe), "-c", code], capture_output=True, text=True, timeout=600,
+                             env=bundle_env, cwd=cwd)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(res.stdout.split())
+    (before, after, source), (before2, after2, _) = runs
+    # numba keys the cache on the kernels' source file: shipped as one, imported from it
+    assert Path(source).is_absolute() and Path(source).is_file(), source
+    assert (before, after) == ("False", "True"), runs
+    assert (before2, after2) == ("True", "True"), runs
+
+
 def test_app_opens_through_the_gui_entry_point(unpacked, bundle_env):
     exe = unpacked / "opt/flotilla/flotilla"
     res = _run(exe, "-c", "from importlib.metadata import entry_points as e; "
