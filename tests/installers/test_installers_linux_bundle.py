@@ -74,9 +74,10 @@ def bundle_env(tmp_path_factory):
     return env
 
 
-def _run(exe: Path, *args: str, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+def _run(exe: Path, *args: str, env: dict, timeout: float = 600, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """exe run as a user would, from cwd (default: the user's home)."""
     return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=env["HOME"])
+                          cwd=cwd or env["HOME"])
 
 
 def test_package_metadata_and_layout(built, unpacked):
@@ -152,8 +153,7 @@ def test_widening_kernels_compile_once_into_a_disk_cache(unpacked, bundle_env):
             "print(before, j.on_disk(), j.kernel.py_func.__code__.co_filename)")
     runs = []
     for cwd in (bundle_env["HOME"], str(unpacked)):
-        res = subprocess.run([str(exe), "-c", code], capture_output=True, text=True, timeout=600,
-                             env=bundle_env, cwd=cwd)
+        res = _run(exe, "-c", code, env=bundle_env, cwd=cwd)
         assert res.returncode == 0, res.stderr[-3000:]
         runs.append(res.stdout.split())
     (before, after, source), (before2, after2, _) = runs
