@@ -52,11 +52,16 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
         reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
                                 sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
         idle0 = engine.stats()["disk_idle_s"]  # before the requests (the engine loop waiting for them)
+        use0 = _usage()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(conc) as pool:
             answers = list(pool.map(lambda r: list(engine.stream(engine.submit(r))), reqs))
         wall = time.perf_counter() - t0
+        use = {k: v - use0[k] for k, v in _usage().items()}
         st = engine.stats()
+        # the window the engine's counters cover: to this snapshot (the engine loop may have
+        # waited a little after the last answer; that disk idle time is in `st`)
+        span = time.perf_counter() - t0
         idle = {p: st["disk_idle_s"].get(p, 0.0) - idle0.get(p, 0.0) for p in PHASES}
         guessed = st["speculative_reads"] * engine.store.index.blob_bytes  # prefetch's, bevy_guess's
         io_info = engine.store.io_info()
@@ -84,14 +89,28 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
             # share of the request passes Bevy started while it moved its requests in two waves
             "two_waves_frac": st["two_wave_passes"] / st["passes"] if st["passes"] else 0.0,
             "disk_mb_s_busy": st["bytes_read"] / 1e6 / st["io_busy_s"] if st["io_busy_s"] else 0.0,
-            "io_busy_frac": st["io_busy_s"] / wall, "compute_frac": st["compute_s"] / wall,
+            "io_busy_frac": st["io_busy_s"] / span, "compute_frac": st["compute_s"] / span,
             # share of the wall time the disk had nothing to read, by what the scheduler did then
-            "disk_idle_frac": sum(idle.values()) / wall,
-            **{f"disk_idle_{p}_frac": idle[p] / wall for p in PHASES},
+            "disk_idle_frac": sum(idle.values()) / span,
+            **{f"disk_idle_{p}_frac": idle[p] / span for p in PHASES},
             "compute_s_per_token": st["compute_s"] / out_tokens, "cache_budget_mb": cache_budget / 1e6,
+            # the process's CPU time (every thread), of it the OS's (page faults, reads), and page
+            # faults that read a file (the capped group evicting code or resident weights), per token
+            **{f"{k}_per_token": v / out_tokens for k, v in use.items()},
             # not figures: what the answers were and how the matmuls ran (moe.py compares the answers)
             "token_ids": [[t for e in events for t in e.token_ids] for events in answers],
             "compute": compute, "torch_threads": threads}, io_info
+
+
+def _usage() -> dict[str, float]:
+    """This process's CPU seconds so far (every thread); where the OS reports them (not
+    Windows), of those the system's, and the major page faults."""
+    try:
+        import resource
+    except ImportError:
+        return {"cpu_s": time.process_time()}
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return {"cpu_s": u.ru_utime + u.ru_stime, "cpu_sys_s": u.ru_stime, "major_faults": float(u.ru_majflt)}
 
 
 def same_tokens(a: list[list[int]], b: list[list[int]]) -> float:

@@ -65,6 +65,9 @@ that no request used (`guesses_used_frac`: the share of guessed reads a request 
 the bound's I/O term counts the bytes Bevy needed. `disk_idle_<phase>_frac`: the share of
 the wall time the disk had nothing to read for a request, by what the scheduler was doing
 meanwhile (engine/moe/scheduler.py PHASES): the gaps between reads the bound assumes away.
+`cpu_s_per_token`: the engine process's CPU time per token, every thread; where the OS says
+(not Windows) `cpu_sys_s_per_token`, the system's share (reads, page faults), and
+`major_faults_per_token`, page faults that had to read a file (a cap evicting code or weights).
 
 `io` records what the reads went through: {"requested", "effective",
 "fallback_reason"} (this OS's unbuffered mode -- "o_direct" on Linux -- or "buffered"),

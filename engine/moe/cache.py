@@ -2,9 +2,10 @@
 
 Slots are page-aligned anonymous mmaps allocated once, so the store reads
 straight into them with O_DIRECT and the torch weight views over a slot stay
-valid whatever expert it holds. A resident expert can be *pinned* (being
-computed with, or fetched for requests still waiting for it); only unpinned
-ones are evicted.
+valid whatever expert it holds. Every page of a slot is written once when the
+cache is made (`_committed_buffer`), not on the slot's first read. A resident
+expert can be *pinned* (being computed with, or fetched for requests still
+waiting for it); only unpinned ones are evicted.
 
 Eviction: the victim is the unpinned expert whose next use is farthest away,
 then the least frequently demanded, then the least recently used. Decoding
@@ -24,11 +25,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.moe.store import Key, StoreIndex, aligned_buffer
 from engine.runtime.budget import BudgetError, fit_budget
 from engine.runtime.stored import STORAGE_DTYPES
 
 MB = 1e6
+PAGE = 4096  # the smallest page size of the OSes we run on: writing one byte per PAGE touches every page
 
 
 @dataclass
@@ -106,7 +110,7 @@ class ExpertCache:
         n = min(budget // index.blob_bytes, len(index.blobs))
         self._slots: list[_Slot] = []
         for _ in range(n):
-            buf = aligned_buffer(index.blob_bytes)
+            buf = _committed_buffer(index.blob_bytes)
             views = {p.name: torch.frombuffer(buf, dtype=STORAGE_DTYPES[p.dtype], count=_numel(p.shape),
                                               offset=p.offset).view(*p.shape) for p in index.parts}
             self._slots.append(_Slot(buf, views))
@@ -288,6 +292,17 @@ class ExpertCache:
         with self._cond:
             self._slots.clear()
             self._where.clear()
+
+
+def _committed_buffer(nbytes: int):
+    """An aligned slot buffer with every page written once, now. The OS gives an anonymous
+    mapping its pages on first touch; left to a slot's first read, that work (zeroing each
+    page, and in a VM the host backing it) fell on a fetch thread in the middle of decoding,
+    took more CPU than the read itself and slowed the scheduler's compute on a small CPU.
+    Here it is paid once at set-up, and the cache holds its whole budget from the start."""
+    buf = aligned_buffer(nbytes)
+    np.frombuffer(buf, dtype=np.uint8)[::PAGE] = 0
+    return buf
 
 
 def _numel(shape) -> int:

@@ -22,6 +22,26 @@ def test_budget_below_one_layers_top_k_is_refused(moe_model):
     ExpertCache(index, need)  # exactly the floor works
 
 
+def _resident_bytes() -> int:
+    """This process's resident anonymous and shared-memory bytes (the cache's slots are either)."""
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+
+
+def test_the_budget_is_resident_when_the_cache_is_made(moe_model):
+    # The cache's slots hold their pages from the start: a read into a slot does not pay the OS's
+    # first touch of them in the middle of decoding, and the memory the budget promises is in use.
+    _path, store_dir = moe_model("qwen2_moe")
+    index = ExpertStore(store_dir).index
+    slots = max(4 * 2**20 // index.blob_bytes, index.top_k)
+    before = _resident_bytes()
+    cache = ExpertCache(index, slots * index.blob_bytes)
+    grown = _resident_bytes() - before
+    assert cache.capacity == slots
+    assert grown >= 0.95 * slots * index.blob_bytes, (grown, slots * index.blob_bytes)
+    cache.close()
+
+
 def test_factory_refuses_a_small_budget_with_the_minimum(moe_model):
     from engine.local.factory import ENGINE_KINDS, EngineOptions, open_engine
 
