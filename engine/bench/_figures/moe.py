@@ -1,8 +1,9 @@
 """docs/moe.md's figure tables (see engine/bench/_figures/__init__.py for the rules).
 
-Three sources: `moe-quick` (Qwen3-30B-A3B shapes, `flotilla bench moe --quick`, on a CPU
-with a bf16 kernel), `moe-quick-avx2` (the same on an AVX2-only CPU, with Bevy in torch's bf16
-product beside it) and `moe-mixtral` (Mixtral-8x7B shapes). The per-scheduler and overlap-bound tables have more
+Four sources: `moe-quick` (Qwen3-30B-A3B shapes, `flotilla bench moe --quick`, on an Intel
+CPU with a bf16 kernel), `moe-quick-avx2` (the same on an AVX2-only CPU, with Bevy in torch's
+bf16 product beside it), `moe-quick-epyc-bf16` (the same on an AMD EPYC with AVX-512 bf16, with
+each run's CPU time) and `moe-mixtral` (Mixtral-8x7B shapes). The per-scheduler and overlap-bound tables have more
 than three columns: a row's figure then holds several cells separated by " | ", and the
 header names every column (the first is the row's `what`, the last its `how`).
 """
@@ -14,6 +15,8 @@ from engine.bench._report import REPO_ROOT, Row, Table
 SOURCES = {"moe-quick": "`flotilla bench moe --quick`",
            "moe-quick-avx2": ("`flotilla bench moe --quick --schedulers "
                               "bevy,on_demand,prefetch,bevy_native,bevy_two_waves,bevy_guess`"),
+           "moe-quick-epyc-bf16": ("`flotilla bench moe --quick --schedulers "
+                                   "bevy,on_demand,prefetch,bevy_native,bevy_two_waves,bevy_guess`"),
            "moe-mixtral": "`flotilla bench moe --shape mixtral-8x7b --tokens 8`"}
 SCHEDULERS = ("bevy", "on_demand", "prefetch")
 CONCURRENCY = ("1", "4", "16")
@@ -58,7 +61,7 @@ def _headline(src: str) -> Table:
 
 
 # Sources whose runs include the bevy_guess ablation (Bevy reading guesses when its disk would idle).
-RUNS_GUESS = ("moe-quick", "moe-quick-avx2")
+RUNS_GUESS = ("moe-quick", "moe-quick-avx2", "moe-quick-epyc-bf16")
 
 
 def _guess(src: str) -> tuple[Row, ...]:
@@ -87,7 +90,7 @@ def _one_wave(src: str) -> tuple[Row, ...]:
 
 
 # Sources whose runs include the bevy_two_waves ablation (Bevy's requests always in two waves).
-RUNS_TWO_WAVES = ("moe-quick-avx2",)
+RUNS_TWO_WAVES = ("moe-quick-avx2", "moe-quick-epyc-bf16")
 
 
 def _two_waves(src: str) -> tuple[Row, ...]:
@@ -142,7 +145,7 @@ def _ablations(src: str) -> tuple[str, ...]:
 
 
 # Sources whose runs record how the matmuls ran and every scheduler's answers (older runs do not).
-MEASURES_QUALITY = ("moe-quick", "moe-quick-avx2", "moe-mixtral")
+MEASURES_QUALITY = ("moe-quick", "moe-quick-avx2", "moe-quick-epyc-bf16", "moe-mixtral")
 
 
 def _quality(src: str) -> tuple[Row, ...]:
@@ -171,7 +174,7 @@ def _result_row(src: str, sched: str, conc: str) -> Row:
 
 
 # Sources whose runs record the disk's idle time by scheduler phase (disk_idle_*_frac).
-MEASURES_IDLE: tuple[str, ...] = ("moe-quick", "moe-quick-avx2", "moe-mixtral")
+MEASURES_IDLE: tuple[str, ...] = ("moe-quick", "moe-quick-avx2", "moe-quick-epyc-bf16", "moe-mixtral")
 IDLE_PHASES = ("attention", "experts", "head", "sampling", "scheduling")
 
 
@@ -200,7 +203,7 @@ def _results(src: str) -> Table:
 
 
 # Sources whose runs record the stricter bound (compute as on_demand pays it, no read in flight).
-MEASURES_STRICT = ("moe-quick-avx2",)
+MEASURES_STRICT = ("moe-quick-avx2", "moe-quick-epyc-bf16")
 
 
 def _bound_row(src: str, conc: str) -> Row:
@@ -227,6 +230,26 @@ def _bound(src: str) -> Table:
         tuple(_bound_row(src, c) for c in CONCURRENCY))
 
 
+# Sources whose runs record the engine process's CPU time and page faults (cpu_s_per_token, ...).
+MEASURES_CPU = ("moe-quick-epyc-bf16",)
+
+
+def _cpu_row(src: str, sched: str) -> Row:
+    p = f"results.{sched}.16."
+    cells = (_f(src, p + "compute_s_per_token", "ms"), _f(src, p + "cpu_s_per_token", "ms"),
+             _f(src, p + "cpu_sys_s_per_token", "ms"), _f(src, p + "major_faults_per_token", "f2"))
+    return Row(sched, " | ".join(cells), f"`results.{sched}.16.cpu_*`")
+
+
+def _cpu(src: str) -> Table:
+    return Table(
+        f"{src}-cpu",
+        ("scheduler (16 requests)", "scheduler thread computing / token", "CPU time / token (every thread)",
+         "…of it the OS's (system time)", "page faults that read a file / token", "JSON field"),  # type: ignore[arg-type]
+        tuple(_cpu_row(src, s) for s in SCHEDULERS + _ablations(src)))
+
+
 FILE = REPO_ROOT / "docs" / "moe.md"
 TABLES = tuple(t for src in SOURCES for t in (_headline(src), _results(src), _bound(src),
-                                               *((_idle(src),) if src in MEASURES_IDLE else ())))
+                                               *((_idle(src),) if src in MEASURES_IDLE else ()),
+                                               *((_cpu(src),) if src in MEASURES_CPU else ())))
