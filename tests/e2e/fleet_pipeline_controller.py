@@ -54,8 +54,13 @@ async def probe_worker(endpoint: str, server_key: str) -> dict:
         p.linger = 0
         p.setsockopt(zmq.IDENTITY, b"coord-plaintext-probe")
         p.connect(endpoint)
-        await p.send_multipart(encode_frames(StagePing(7), []))
-        out["plaintext"] = "answered" if await p.poll(1500) else "no answer"
+        try:
+            # a DEALER's send waits while it has no connection to queue on, which it may lack
+            # once the stage has refused the plaintext handshake
+            await asyncio.wait_for(p.send_multipart(encode_frames(StagePing(7), [])), 2.0)
+            out["plaintext"] = "answered" if await p.poll(1500) else "no answer"
+        except asyncio.TimeoutError:
+            out["plaintext"] = "no answer"
         p.close(0)
     finally:
         ctx.term()
