@@ -22,6 +22,7 @@ demands so old popularity fades.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from engine.runtime.budget import BudgetError, fit_budget
 from engine.runtime.stored import STORAGE_DTYPES
 
 MB = 1e6
-PAGE = 4096  # the smallest page size of the OSes we run on: writing one byte per PAGE touches every page
+PAGE = mmap.PAGESIZE  # writing one byte per page touches every page
 
 
 @dataclass

@@ -201,9 +201,8 @@ class StoreIndex:
         return self.blob_bytes * len(self.blobs)
 
 
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """A page-aligned, zero-filled buffer (anonymous mmap) -- valid for O_DIRECT."""
-    return mmap.mmap(-1, align_up(nbytes))
+# A page-aligned, zero-filled buffer valid for unbuffered reads: the platform layer's (one copy).
+aligned_buffer = pread.aligned_buffer
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from engine.bench._report import REPO_ROOT, Row, Table
 
+_WITH_ABLATIONS = ("`flotilla bench moe --quick --schedulers "
+                   "bevy,on_demand,prefetch,bevy_native,bevy_two_waves,bevy_guess`")
 SOURCES = {"moe-quick": "`flotilla bench moe --quick`",
-           "moe-quick-avx2": ("`flotilla bench moe --quick --schedulers "
-                              "bevy,on_demand,prefetch,bevy_native,bevy_two_waves,bevy_guess`"),
-           "moe-quick-epyc-bf16": ("`flotilla bench moe --quick --schedulers "
-                                   "bevy,on_demand,prefetch,bevy_native,bevy_two_waves,bevy_guess`"),
+           "moe-quick-avx2": _WITH_ABLATIONS,
+           "moe-quick-epyc-bf16": _WITH_ABLATIONS,
            "moe-mixtral": "`flotilla bench moe --shape mixtral-8x7b --tokens 8`"}
 SCHEDULERS = ("bevy", "on_demand", "prefetch")
 CONCURRENCY = ("1", "4", "16")
