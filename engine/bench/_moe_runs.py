@@ -5,6 +5,7 @@ group (engine/bench/_moe_cell.py); and the disk probe with the engine's reader.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,30 +47,35 @@ def one_run(store_dir, model_id: str, sched: str, budget: int | None, conc: int,
 def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float], dict[str, Any]]:
     """Run conc requests of `tokens` tokens through an open engine, then close it."""
     from engine.moe.scheduler import PHASES
+    from engine.platform.memory import settled_heap
     from engine.protocol.messages import GenerateRequest, SamplingParams
 
-    try:
-        reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
-                                sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
-        idle0 = engine.stats()["disk_idle_s"]  # before the requests (the engine loop waiting for them)
-        use0 = _usage()
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(conc) as pool:
-            answers = list(pool.map(lambda r: list(engine.stream(engine.submit(r))), reqs))
-        wall = time.perf_counter() - t0
-        use = {k: v - use0[k] for k, v in _usage().items()}
-        st = engine.stats()
-        # the window the engine's counters cover: to this snapshot (the engine loop may have
-        # waited a little after the last answer; that disk idle time is in `st`)
-        span = time.perf_counter() - t0
-        idle = {p: st["disk_idle_s"].get(p, 0.0) - idle0.get(p, 0.0) for p in PHASES}
-        guessed = st["speculative_reads"] * engine.store.index.blob_bytes  # prefetch's, bevy_guess's
-        io_info = engine.store.io_info()
-        cache_budget = engine.memory["cache_budget_bytes"]
-        compute = engine.memory["compute"]
-        threads = engine.torch_threads
-    finally:
-        engine.close()
+    # As in `flotilla chat` and `serve`: the loaded libraries' heap frozen, so no full collection
+    # of the cyclic GC (one took 0.2-0.3 s here, by hand) lands in the measured window.
+    with settled_heap(), _gc_pauses() as pauses:
+        try:
+            reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
+                                    sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
+            idle0 = engine.stats()["disk_idle_s"]  # before the requests (the engine loop waiting for them)
+            use0 = _usage()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(conc) as pool:
+                answers = list(pool.map(lambda r: list(engine.stream(engine.submit(r))), reqs))
+            wall = time.perf_counter() - t0
+            use = {k: v - use0[k] for k, v in _usage().items()}
+            st = engine.stats()
+            # the window the engine's counters cover: to this snapshot (the engine loop may have
+            # waited a little after the last answer; that disk idle time is in `st`)
+            span = time.perf_counter() - t0
+            gc_s = pauses.seconds
+            idle = {p: st["disk_idle_s"].get(p, 0.0) - idle0.get(p, 0.0) for p in PHASES}
+            guessed = st["speculative_reads"] * engine.store.index.blob_bytes  # prefetch's, bevy_guess's
+            io_info = engine.store.io_info()
+            cache_budget = engine.memory["cache_budget_bytes"]
+            compute = engine.memory["compute"]
+            threads = engine.torch_threads
+        finally:
+            engine.close()
     finals = [events[-1] for events in answers]
     for f in finals:
         if f.error:
@@ -97,9 +103,37 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
             # the process's CPU time (every thread), of it the OS's (page faults, reads), and page
             # faults that read a file (the capped group evicting code or resident weights), per token
             **{f"{k}_per_token": v / out_tokens for k, v in use.items()},
+            # time the process stood still for the cyclic GC's collections (any thread's)
+            "gc_s_per_token": gc_s / out_tokens,
             # not figures: what the answers were and how the matmuls ran (moe.py compares the answers)
             "token_ids": [[t for e in events for t in e.token_ids] for events in answers],
             "compute": compute, "torch_threads": threads}, io_info
+
+
+class _GcPauses:
+    """Seconds spent in the cyclic GC's collections while it is installed (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+
+
+@contextlib.contextmanager
+def _gc_pauses():
+    import gc
+
+    pauses = _GcPauses()
+    gc.callbacks.append(pauses)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(pauses)
 
 
 def _usage() -> dict[str, float]:

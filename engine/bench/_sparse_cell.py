@@ -23,6 +23,7 @@ def main(argv: list[str]) -> int:
     from engine.sparse.baseline import drop_page_cache
     from engine.sparse.cache import BudgetError
     from engine.models.profile import DEFAULT_CONTEXT
+    from engine.platform.memory import settle_heap
     from engine.sparse.engine import SparseBackend, SparseConfig
     from engine.sparse.store import StoreConfig
     from engine.sparse.weights import safetensors_files
@@ -38,6 +39,7 @@ def main(argv: list[str]) -> int:
     except BudgetError as e:
         print(json.dumps({"error": str(e)}), flush=True)
         return 0
+    settle_heap()  # as `flotilla chat` and `serve` do once their engine is open
     drop_page_cache(safetensors_files(path))
     print("READY", flush=True)
     sys.stdin.readline()

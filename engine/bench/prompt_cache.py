@@ -198,6 +198,7 @@ def _memory(engine: Any) -> dict[str, Any]:
 def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, Any]:
     from engine.local.factory import EngineOptions, open_engine
     from engine.pipeline.prompt_cache import EXACT_CACHE_KV
+    from engine.platform.memory import settled_heap
 
     history = args.history or (600 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -221,40 +222,42 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
     else:  # the paged engine's cache is bounded by its KV pool: any count > 0 turns it back on
         engine = open_engine(path, "local", EngineOptions(precision=precision))
         pool = engine.backend.pool_size if hasattr(engine, "backend") else 1
-    rows = []
-    try:
-        _ask(engine, "warm", [("user", "Hello")], 4)
-        corpus = _corpus_ids(engine.tokenizer)
-        for r in range(rounds):
-            turns = _history(engine.tokenizer, corpus, history, r)
-            q1 = turns + [("user", "What did we talk about?")]
-            ids1, end1 = _ask(engine, f"r{r}t1", q1, args.answer)
-            q2 = q1 + [("assistant", engine.tokenizer.decode(ids1, skip_special_tokens=True)),
-                       ("user", "And what else?")]
-            ids2, end2 = _ask(engine, f"r{r}t2", q2, args.answer)
-            kept = _kept_bytes(engine)  # what the cache holds once turn 2 ended
-            engine.set_prompt_cache(0)  # no cache: turn 2 again from nothing
-            ids3, end3 = _ask(engine, f"r{r}t2-nocache", q2, args.answer)
-            other = None
-            if args.engine != "local":  # the control: uncached again, other chunk boundaries
-                other = _ask_split(engine, f"r{r}t2-split", q2, args.answer)
-            engine.set_prompt_cache(pool)
-            row = {"history_tokens": end1.usage.prompt_tokens, "turn2_prompt_tokens": end2.usage.prompt_tokens,
-                   "turn2_cached_tokens": end2.usage.cached_tokens, "uncached_cached_tokens": end3.usage.cached_tokens,
-                   "turn1_ttft_s": round(end1.timings.ttft_s, 4), "turn2_ttft_s": round(end2.timings.ttft_s, 4),
-                   "turn2_uncached_ttft_s": round(end3.timings.ttft_s, 4),
-                   "identical": ids2 == ids3, "first_difference": first_difference(ids2, ids3),
-                   "same_tokens": round(sum(a == b for a, b in zip(ids2, ids3)) / max(1, len(ids3)), 4),
-                   "kept_bytes_after_turn2": kept,
-                   "other_split_identical": None if other is None else other == ids3}
-            row["turn2_over_turn1"] = round(row["turn2_ttft_s"] / row["turn1_ttft_s"], 4)
-            row["cached_over_uncached"] = round(row["turn2_ttft_s"] / row["turn2_uncached_ttft_s"], 4)
-            rows.append(row)
-            report(f"round {r + 1}: {row}")
-        memory = _memory(engine)
-        io = _io(engine)
-    finally:
-        engine.close()
+    with settled_heap():  # as `flotilla chat` and `serve` run once their engine is open
+        rows = []
+        try:
+            _ask(engine, "warm", [("user", "Hello")], 4)
+            corpus = _corpus_ids(engine.tokenizer)
+            for r in range(rounds):
+                turns = _history(engine.tokenizer, corpus, history, r)
+                q1 = turns + [("user", "What did we talk about?")]
+                ids1, end1 = _ask(engine, f"r{r}t1", q1, args.answer)
+                q2 = q1 + [("assistant", engine.tokenizer.decode(ids1, skip_special_tokens=True)),
+                           ("user", "And what else?")]
+                ids2, end2 = _ask(engine, f"r{r}t2", q2, args.answer)
+                kept = _kept_bytes(engine)  # what the cache holds once turn 2 ended
+                engine.set_prompt_cache(0)  # no cache: turn 2 again from nothing
+                ids3, end3 = _ask(engine, f"r{r}t2-nocache", q2, args.answer)
+                other = None
+                if args.engine != "local":  # the control: uncached again, other chunk boundaries
+                    other = _ask_split(engine, f"r{r}t2-split", q2, args.answer)
+                engine.set_prompt_cache(pool)
+                row = {"history_tokens": end1.usage.prompt_tokens, "turn2_prompt_tokens": end2.usage.prompt_tokens,
+                       "turn2_cached_tokens": end2.usage.cached_tokens,
+                       "uncached_cached_tokens": end3.usage.cached_tokens,
+                       "turn1_ttft_s": round(end1.timings.ttft_s, 4), "turn2_ttft_s": round(end2.timings.ttft_s, 4),
+                       "turn2_uncached_ttft_s": round(end3.timings.ttft_s, 4),
+                       "identical": ids2 == ids3, "first_difference": first_difference(ids2, ids3),
+                       "same_tokens": round(sum(a == b for a, b in zip(ids2, ids3)) / max(1, len(ids3)), 4),
+                       "kept_bytes_after_turn2": kept,
+                       "other_split_identical": None if other is None else other == ids3}
+                row["turn2_over_turn1"] = round(row["turn2_ttft_s"] / row["turn1_ttft_s"], 4)
+                row["cached_over_uncached"] = round(row["turn2_ttft_s"] / row["turn2_uncached_ttft_s"], 4)
+                rows.append(row)
+                report(f"round {r + 1}: {row}")
+            memory = _memory(engine)
+            io = _io(engine)
+        finally:
+            engine.close()
 
     def med(key: str) -> float:
         return statistics.median(x[key] for x in rows)

@@ -207,6 +207,7 @@ def _round(served: dict[str, tuple[str, Any]], client: Child, engines: list[str]
 def _serve_all(path: str, engines: list[str], levels: list[int], tokens: int, rounds: int,
                report: Callable[[str], None]) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Open and serve every engine at once, warm each up, then run the rounds."""
+    from engine.platform.memory import settled_heap
     from engine.serve.api import ApiServer, create_app
 
     served: dict[str, tuple[str, Any]] = {}
@@ -224,9 +225,10 @@ def _serve_all(path: str, engines: list[str], levels: list[int], tokens: int, ro
             for c in levels:
                 client.ask(serve_client.job(served[kind][0], engine.info.model_id, _prompts(c, -1, 0), 4))
         per_round = []
-        for r in range(rounds):
-            report(f"round {r + 1}/{rounds}")
-            per_round.append(_round(served, client, engines, levels, tokens, r, report))
+        with settled_heap():  # as `flotilla serve` runs once its engine is open
+            for r in range(rounds):
+                report(f"round {r + 1}/{rounds}")
+                per_round.append(_round(served, client, engines, levels, tokens, r, report))
     return per_round, load_s
 
 

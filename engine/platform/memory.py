@@ -10,6 +10,7 @@ as room: file - mapped - dirty - writeback.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -96,3 +97,17 @@ def settle_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def settled_heap():
+    """settle_heap() for one measured run of an engine opened in this process (a benchmark
+    measures what `flotilla chat`, `serve` and the app run: a settled heap). On the way out
+    the heap is unfrozen, so the run's engine, closed by then, can be collected."""
+    import gc
+
+    settle_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

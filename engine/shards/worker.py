@@ -58,6 +58,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from engine.platform.memory import settle_heap
 from engine.shards.health import computing, serve_with_heartbeats, tune_data_socket
 from engine.protocol import ErrorReply, ProtocolError, decode_frames, encode_frames
 from engine.protocol.pipeline import (
@@ -452,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"event": "bound", "endpoint": endpoint, "pid": os.getpid()}), flush=True)
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
         worker.load()
+        settle_heap()  # as `flotilla serve` does: no full collection of the loaded libraries mid-pass
         serve_with_heartbeats(worker)  # worker.serve() + pings answered during compute
     except KeyboardInterrupt:
         pass

@@ -82,3 +82,30 @@ def test_settle_heap_freezes_what_lives_and_frees_what_an_earlier_call_froze():
         assert first_alive() is None and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()  # the rest of the test session collects as usual
+
+
+def test_settled_heap_freezes_for_the_run_and_lets_its_engine_go_after():
+    """A benchmark's run measures a settled heap, as chat and serve run; once it ended, the
+    engine it closed is collectable again (a test session or bench process does not keep it)."""
+    import gc
+    import weakref
+
+    from engine.platform.memory import settled_heap
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    engine.me = engine  # a reference cycle, as a loaded engine holds
+    alive = weakref.ref(engine)
+    try:
+        with settled_heap():
+            assert gc.get_freeze_count() > 0
+            del engine  # closed during the run: frozen, no collection reaches it yet
+            gc.collect()
+            assert alive() is not None
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()
