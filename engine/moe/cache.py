@@ -208,6 +208,14 @@ class ExpertCache:
                 if self._slots[i].pins == 0:
                     self._cond.notify_all()
 
+    def unpin_all(self) -> None:
+        """Drop every pin (the scheduler that held them is gone: engine._fail_running). A
+        read in flight still lands pinned, and its arrival is reported as usual."""
+        with self._cond:
+            for s in self._slots:
+                s.pins = 0
+            self._cond.notify_all()
+
     def buffer(self, slot: int):
         """The aligned buffer of a reserved slot (for the store to read into)."""
         return self._slots[slot].buf

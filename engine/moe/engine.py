@@ -40,7 +40,7 @@ from engine.platform.memory import memory_room
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.runtime.chat import request_ids
 from engine.runtime.detokenize import eos_token_ids
-from engine.runtime.errors import error_code_of
+from engine.runtime.errors import error_code_of, one_line
 from engine.runtime.generation import Generation, decode_one, finished
 from engine.runtime import widen_kernel
 from engine.runtime.stored import ALL_ROWS, STORAGE_DTYPES, native_rows
@@ -243,13 +243,23 @@ class MoEEngine(InboxEngine):
                     self._admit(*waiting.popleft())
                 if self._gens:
                     self.scheduler.tick()
-            except Exception:  # a bug in the loop itself: log, keep serving
+            except Exception as e:  # a bug in a step: its requests end with an error, new ones are served
                 log.exception("moe engine scheduler error")
-                time.sleep(0.01)
+                self._fail_running(e)
         self._take_inbox(waiting, block=False)
         for gen in list(self._gens.values()):
             self._end(gen, finished(gen, "error", error="the engine was closed", error_code="closed"))
         refuse_waiting(self._emit, waiting)
+
+    def _fail_running(self, err: Exception) -> None:
+        """A step raised. Its requests may be half-way through a layer, and retrying it would
+        fail again, so every running request ends with the error (no client waits for an
+        answer that cannot come); the next ones run on a fresh scheduler over an unpinned cache."""
+        for sid, gen in list(self._gens.items()):
+            self.scheduler.remove(sid)
+            self._end(gen, finished(gen, "error", error=f"the engine failed: {one_line(err)}"))
+        self.scheduler = make_scheduler(self.config.scheduler, self.model, self.cache, self.fetcher)
+        self.cache.unpin_all()
 
     def _drop_cancelled(self, waiting: collections.deque) -> None:
         for sid in self._take_cancelled(waiting, self._gens):
@@ -262,7 +272,7 @@ class MoEEngine(InboxEngine):
             gen = Generation.create(request, ids, _NoStream(), self.tokenizer, self.eos_ids,
                                     self.context_length, self.config.prefill_chunk, t_submit)
         except Exception as e:
-            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e),
                                   error_code=error_code_of(e), usage=Usage(0, 0)))
             return
         gen.t_start = time.perf_counter()
@@ -270,7 +280,7 @@ class MoEEngine(InboxEngine):
             seq = Seq(gen.request_id, self._on_logits, self._on_error, list(ids), chunk=self.config.prefill_chunk)
             self.scheduler.add(seq)
         except RuntimeError as e:
-            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e),
                                   error_code=error_code_of(e), usage=Usage(0, 0)))
             return
         gen.cached = gen.prefilled = seq.state.past  # its KV slot held them from an earlier answer
@@ -293,7 +303,7 @@ class MoEEngine(InboxEngine):
     def _on_error(self, seq: Seq, err: BaseException) -> None:
         gen = self._gens.get(seq.sid)
         if gen is not None:
-            self._end(gen, finished(gen, "error", error=_one_line(err)))
+            self._end(gen, finished(gen, "error", error=one_line(err)))
 
     def _end(self, gen: Generation, event: TokenEvent) -> None:
         self._gens.pop(gen.request_id, None)
@@ -306,8 +316,3 @@ def open_moe_engine(spec: str, options: Any, progress: Progress | None = None) -
         raise EngineError(f"the moe engine runs on the CPU only, not {options.device!r}")
     config = dataclasses.replace(MoEConfig.from_options(options), **asked_kv_precision(options))
     return MoEEngine.from_spec(spec, config, progress)
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text[:500]

@@ -21,7 +21,7 @@ from engine.protocol import ErrorReply, ProtocolError, decode_frames
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
 from engine.protocol.pipeline import StageFree, StagePong, StageResult, StageStep
 from engine.runtime.chat import request_ids
-from engine.runtime.errors import error_code_of
+from engine.runtime.errors import error_code_of, one_line
 from engine.runtime.generation import Generation, accept, finished, pick
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,14 @@ class CoordinatorStreams:
             gen = Generation.create(request, ids, None, self.tokenizer, self.eos_ids,  # type: ignore[arg-type]
                                     self.context_length, self.config.prefill_chunk, t_submit)
         except Exception as e:
-            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e),
                                   error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
         s = request.sampling
         try:
             spec = self.spec.open(request, gen)
         except Exception as e:
-            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e),
                                   error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
         sample = s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None or request.constrained
@@ -212,8 +212,3 @@ class CoordinatorStreams:
         self._to_free = []
         for i in range(len(self.stages)):
             self.send_to_stage(i, msg)
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text[:500]

@@ -18,3 +18,9 @@ class RequestError(ValueError):
 def error_code_of(e: BaseException) -> str:
     """The event error code for an exception that ended a request."""
     return e.code if isinstance(e, RequestError) else "engine"
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as an event's error text: one line, at most 500 characters."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:500]

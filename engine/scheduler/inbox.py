@@ -17,6 +17,7 @@ from abc import abstractmethod
 from collections.abc import Iterable
 
 from engine.protocol.messages import GenerateRequest, TokenEvent, Usage
+from engine.runtime.errors import one_line
 from engine.runtime.generation import Generation, finished
 from engine.core.interface import Engine
 
@@ -123,12 +124,23 @@ class TurnEngine(InboxEngine):
                         active.append(gen)
                 for gen in self._turn(active):
                     active.remove(gen)
-            except Exception:  # a bug in the loop itself: log, keep serving
+            except Exception as e:  # a bug in a step: its requests end with an error, new ones are served
                 log.exception("%s scheduler error", type(self).__name__)
+                self._fail_running(active, e)
         self._take_inbox(waiting, block=False)
         for gen in active:
             self._end(gen, finished(gen, "error", error="the engine was closed", error_code="closed"))
         refuse_waiting(self._emit, waiting)
+
+    def _fail_running(self, active: list[Generation], err: Exception) -> None:
+        """A step raised: retrying it would likely fail again, so every running request ends
+        with the error (no client waits for an answer that cannot come), and `active` empties."""
+        for gen in active:
+            try:
+                self._end(gen, finished(gen, "error", error=f"the engine failed: {one_line(err)}"))
+            except Exception:  # its state was half-freed: the error event went out (_end's finally)
+                log.exception("ending %s after a scheduler error", gen.request_id)
+        active.clear()
 
     def _drop_cancelled(self, waiting: collections.deque, active: list[Generation]) -> None:
         ids = self._take_cancelled(waiting, (g.request_id for g in active))

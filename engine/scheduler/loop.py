@@ -24,7 +24,7 @@ from engine.runtime.backend import BACKENDS, ModelBackend, Progress, load_backen
 from engine.runtime.chat import request_ids
 from engine.models.profile import engine_context
 from engine.runtime.detokenize import eos_token_ids
-from engine.runtime.errors import error_code_of
+from engine.runtime.errors import error_code_of, one_line
 from engine.runtime.generation import Generation, finished, step
 from engine.speculative.local import MaskedOVStream, spec_step
 from engine.scheduler.inbox import TurnEngine
@@ -111,7 +111,7 @@ class BackendLoop(TurnEngine):
         except Exception as e:
             if stream is not None:
                 stream.close()
-            self._emit(TokenEvent(request.request_id, finish_reason="error", error=_one_line(e),
+            self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e),
                                   error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
 
@@ -122,7 +122,7 @@ class BackendLoop(TurnEngine):
             event = spec_step(gen, session) if session is not None else step(gen)
         except Exception as e:
             log.exception("request %s failed", gen.request_id)
-            self._end(gen, finished(gen, "error", error=_one_line(e)))
+            self._end(gen, finished(gen, "error", error=one_line(e)))
             return True
         if event is None:
             return False
@@ -179,8 +179,3 @@ def _logits_width(backend: Any, fallback: int) -> int:
         return int(backend.compiled.output("logits").get_partial_shape()[2].get_length())
     except Exception:
         return fallback
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text[:500]

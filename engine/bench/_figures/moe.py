@@ -3,9 +3,10 @@
 Four sources: `moe-quick` (Qwen3-30B-A3B shapes, `flotilla bench moe --quick`, on an Intel
 CPU with a bf16 kernel), `moe-quick-avx2` (the same on an AVX2-only CPU, with Bevy in torch's
 bf16 product beside it), `moe-quick-epyc-bf16` (the same on an AMD EPYC with AVX-512 bf16, with
-each run's CPU time) and `moe-mixtral` (Mixtral-8x7B shapes). The per-scheduler and overlap-bound tables have more
-than three columns: a row's figure then holds several cells separated by " | ", and the
-header names every column (the first is the row's `what`, the last its `how`).
+each run's CPU time and GC pauses) and `moe-mixtral` (Mixtral-8x7B shapes). The per-scheduler
+and overlap-bound tables have more than three columns: a row's figure then holds several cells
+separated by " | ", and the header names every column (the first is the row's `what`, the last
+its `how`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ _WITH_ABLATIONS = ("`flotilla bench moe --quick --schedulers "
                    "bevy,on_demand,prefetch,bevy_native,bevy_two_waves,bevy_guess`")
 SOURCES = {"moe-quick": "`flotilla bench moe --quick`",
            "moe-quick-avx2": _WITH_ABLATIONS,
-           "moe-quick-epyc-bf16": _WITH_ABLATIONS,
+           "moe-quick-epyc-bf16": "`flotilla bench moe --quick --schedulers "
+                                  "bevy,on_demand,prefetch,bevy_two_waves,bevy_guess`",
            "moe-mixtral": "`flotilla bench moe --shape mixtral-8x7b --tokens 8`"}
 SCHEDULERS = ("bevy", "on_demand", "prefetch")
 CONCURRENCY = ("1", "4", "16")
@@ -237,15 +239,17 @@ MEASURES_CPU = ("moe-quick-epyc-bf16",)
 def _cpu_row(src: str, sched: str) -> Row:
     p = f"results.{sched}.16."
     cells = (_f(src, p + "compute_s_per_token", "ms"), _f(src, p + "cpu_s_per_token", "ms"),
-             _f(src, p + "cpu_sys_s_per_token", "ms"), _f(src, p + "major_faults_per_token", "f2"))
-    return Row(sched, " | ".join(cells), f"`results.{sched}.16.cpu_*`")
+             _f(src, p + "cpu_sys_s_per_token", "ms"), _f(src, p + "major_faults_per_token", "f2"),
+             _f(src, p + "gc_s_per_token", "ms"))
+    return Row(sched, " | ".join(cells), f"`results.{sched}.16.cpu_*`, `gc_s_per_token`")
 
 
 def _cpu(src: str) -> Table:
     return Table(
         f"{src}-cpu",
         ("scheduler (16 requests)", "scheduler thread computing / token", "CPU time / token (every thread)",
-         "…of it the OS's (system time)", "page faults that read a file / token", "JSON field"),  # type: ignore[arg-type]
+         "…of it the OS's (system time)", "page faults that read a file / token",
+         "cyclic GC's pauses / token", "JSON field"),  # type: ignore[arg-type]
         tuple(_cpu_row(src, s) for s in SCHEDULERS + _ablations(src)))
 
 

@@ -112,6 +112,21 @@ def test_failing_request_does_not_kill_the_engine(engine, monkeypatch):
     assert collect(engine.generate(req("after", max_tokens=3)))[2].finish_reason == "length"
 
 
+def test_a_scheduler_step_that_raises_ends_its_requests_and_the_engine_serves_on(engine, monkeypatch):
+    """A bug in the shared turn (not one request's failure): the running request ends with an
+    error naming it, instead of the loop retrying the step forever while its client waits."""
+    def broken(active):
+        raise RuntimeError("turn bug\nsecond line")
+
+    monkeypatch.setattr(engine, "_turn", broken)
+    events = list(engine.stream(engine.submit(req("bug", max_tokens=3)), timeout=60))
+    final = events[-1]
+    assert final.finish_reason == "error" and final.error_code == "engine"
+    assert "turn bug second line" in final.error
+    monkeypatch.undo()
+    assert collect(engine.generate(req("after-bug", max_tokens=3)))[2].finish_reason == "length"
+
+
 def test_duplicate_request_id_is_refused(engine):
     rid = engine.submit(req("dup", max_tokens=50))
     with pytest.raises(EngineError):
