@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+COMPUTE_PHASES = ("attention", "experts", "head")  # the scheduler's steps timed per token (scheduler.PHASES)
 PROMPTS = ["Once upon a time", "The robot walked into", "Tell me about the sea", "A small cat",
            "In the morning the", "She opened the door and", "Why is the sky", "The old man said"]
 CONTEXT = 512  # KV reserved per request in the benchmark's engines (prompts + tokens fit)
@@ -56,7 +57,8 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
         try:
             reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
                                     sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
-            idle0 = engine.stats()["disk_idle_s"]  # before the requests (the engine loop waiting for them)
+            st0 = engine.stats()  # before the requests (the engine loop waiting for them)
+            idle0, phase0 = st0["disk_idle_s"], st0["phase_s"]
             use0 = _usage()
             t0 = time.perf_counter()
             with ThreadPoolExecutor(conc) as pool:
@@ -69,6 +71,7 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
             span = time.perf_counter() - t0
             gc_s = pauses.seconds
             idle = {p: st["disk_idle_s"].get(p, 0.0) - idle0.get(p, 0.0) for p in PHASES}
+            phase = {p: st["phase_s"].get(p, 0.0) - phase0.get(p, 0.0) for p in COMPUTE_PHASES}
             guessed = st["speculative_reads"] * engine.store.index.blob_bytes  # prefetch's, bevy_guess's
             io_info = engine.store.io_info()
             cache_budget = engine.memory["cache_budget_bytes"]
@@ -100,6 +103,8 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
             "disk_idle_frac": sum(idle.values()) / span,
             **{f"disk_idle_{p}_frac": idle[p] / span for p in PHASES},
             "compute_s_per_token": st["compute_s"] / out_tokens, "cache_budget_mb": cache_budget / 1e6,
+            # of the compute, the scheduler thread's time per token in each step (the rest: its bookkeeping)
+            **{f"{p}_s_per_token": phase[p] / out_tokens for p in COMPUTE_PHASES},
             # the process's CPU time (every thread), of it the OS's (page faults, reads), and page
             # faults that read a file (the capped group evicting code or resident weights), per token
             **{f"{k}_per_token": v / out_tokens for k, v in use.items()},

@@ -220,6 +220,8 @@ class MoEEngine(InboxEngine):
                 # wall time the disk had nothing to read, by what the scheduler was doing then
                 "disk_idle_s": self.fetcher.idle_by_phase(),
                 "wait_s": s.wait_s, "passes": s.passes, "groups": s.groups,
+                # the scheduler thread's seconds in each step (PHASES; "scheduling" holds the others)
+                "phase_s": dict(s.phase_s),
                 "two_wave_passes": s.two_wave_passes, "kv_kept_tokens": self.model.kv.kept_tokens,
                 "mean_batch": s.batch_rows / s.batches if s.batches else 0.0,
                 "mean_group": float(np.mean(s.group_sizes)) if s.group_sizes else 0.0}

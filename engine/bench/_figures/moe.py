@@ -3,10 +3,10 @@
 Four sources: `moe-quick` (Qwen3-30B-A3B shapes, `flotilla bench moe --quick`, on an Intel
 CPU with a bf16 kernel), `moe-quick-avx2` (the same on an AVX2-only CPU, with Bevy in torch's
 bf16 product beside it), `moe-quick-epyc-bf16` (the same on an AMD EPYC with AVX-512 bf16, with
-each run's CPU time and GC pauses) and `moe-mixtral` (Mixtral-8x7B shapes). The per-scheduler
-and overlap-bound tables have more than three columns: a row's figure then holds several cells
-separated by " | ", and the header names every column (the first is the row's `what`, the last
-its `how`).
+each run's CPU time, GC pauses and compute by step) and `moe-mixtral` (Mixtral-8x7B shapes).
+The per-scheduler and overlap-bound tables have more than three columns: a row's figure then
+holds several cells separated by " | ", and the header names every column (the first is the
+row's `what`, the last its `how`).
 """
 
 from __future__ import annotations
@@ -253,7 +253,22 @@ def _cpu(src: str) -> Table:
         tuple(_cpu_row(src, s) for s in SCHEDULERS + _ablations(src)))
 
 
+def _phase_row(src: str, sched: str) -> Row:
+    p = f"results.{sched}.16."
+    cells = (_f(src, p + "compute_s_per_token", "ms"), _f(src, p + "attention_s_per_token", "ms"),
+             _f(src, p + "experts_s_per_token", "ms"), _f(src, p + "head_s_per_token", "ms"))
+    return Row(sched, " | ".join(cells), f"`results.{sched}.16.*_s_per_token`")
+
+
+def _phases(src: str) -> Table:
+    return Table(
+        f"{src}-phases",
+        ("scheduler (16 requests)", "scheduler thread computing / token", "…attending a layer and routing",
+         "…computing experts", "…in the LM head", "JSON field"),  # type: ignore[arg-type]
+        tuple(_phase_row(src, s) for s in SCHEDULERS + _ablations(src)))
+
+
 FILE = REPO_ROOT / "docs" / "moe.md"
 TABLES = tuple(t for src in SOURCES for t in (_headline(src), _results(src), _bound(src),
                                                *((_idle(src),) if src in MEASURES_IDLE else ()),
-                                               *((_cpu(src),) if src in MEASURES_CPU else ())))
+                                               *((_cpu(src), _phases(src)) if src in MEASURES_CPU else ())))

@@ -190,6 +190,11 @@ def test_moe_bench_reports_consistent_figures():
             assert all(v >= 0 for v in idle.values()) and len(idle) == 7, where
             assert sum(idle.values()) == pytest.approx(r["disk_idle_frac"], abs=0.01), where
             assert 0.6 <= r["io_busy_frac"] + r["disk_idle_frac"] <= 1.05, where
+            # compute by step: parts of the scheduler thread's compute (what is left is its bookkeeping);
+            # the heap settled as chat and serve run it, every collection of the cyclic GC timed
+            steps = [r[f"{p}_s_per_token"] for p in ("attention", "experts", "head")]
+            assert all(x > 0 for x in steps) and sum(steps) <= r["compute_s_per_token"] + 1e-4, where
+            assert r["gc_s_per_token"] >= 0, where
             # the synthetic model is f32 (matmuls widened: exact), so every scheduler gives on_demand's answers
             assert r["same_tokens_as_on_demand"] == 1.0, where
             if sched == "resident":  # every expert preloaded: nothing is read while measuring
