@@ -258,7 +258,10 @@ class MoEEngine(InboxEngine):
         fail again, so every running request ends with the error (no client waits for an
         answer that cannot come); the next ones run on a fresh scheduler over an unpinned cache."""
         for sid, gen in list(self._gens.items()):
-            self.scheduler.remove(sid)
+            try:
+                self.scheduler.remove(sid)  # frees its KV slot
+            except Exception:  # its state was half-made: the answer still ends, below
+                log.exception("freeing %s after a scheduler error", sid)
             self._end(gen, finished(gen, "error", error=f"the engine failed: {one_line(err)}"))
         self.scheduler = make_scheduler(self.config.scheduler, self.model, self.cache, self.fetcher)
         self.cache.unpin_all()
