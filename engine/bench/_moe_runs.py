@@ -5,7 +5,7 @@ group (engine/bench/_moe_cell.py); and the disk probe with the engine's reader.
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,7 +53,7 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
 
     # As in `flotilla chat` and `serve`: the loaded libraries' heap frozen, so no full collection
     # of the cyclic GC (one took 0.2-0.3 s here, by hand) lands in the measured window.
-    with settled_heap(), _gc_pauses() as pauses:
+    with settled_heap(), _GcPauses() as pauses:
         try:
             reqs = [GenerateRequest(f"b{i}", prompt=PROMPTS[i % len(PROMPTS)],
                                     sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)) for i in range(conc)]
@@ -116,7 +116,7 @@ def measure(engine, sched: str, conc: int, tokens: int) -> tuple[dict[str, float
 
 
 class _GcPauses:
-    """Seconds spent in the cyclic GC's collections while it is installed (gc.callbacks)."""
+    """Within `with`: the seconds the cyclic GC's collections took (gc.callbacks)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -128,17 +128,12 @@ class _GcPauses:
         else:
             self.seconds += time.perf_counter() - self._t0
 
+    def __enter__(self) -> "_GcPauses":
+        gc.callbacks.append(self)
+        return self
 
-@contextlib.contextmanager
-def _gc_pauses():
-    import gc
-
-    pauses = _GcPauses()
-    gc.callbacks.append(pauses)
-    try:
-        yield pauses
-    finally:
-        gc.callbacks.remove(pauses)
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
 
 
 def _usage() -> dict[str, float]:
@@ -213,7 +208,7 @@ def disk_bandwidth(store, n: int = 96, threads: int = 4) -> float:
     """Bytes/s reading random blobs with the engine's reader (the store's io_mode, thread pool)."""
     import random
 
-    from engine.moe.store import aligned_buffer
+    from engine.platform.pread import aligned_buffer
 
     import threading
 

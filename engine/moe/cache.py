@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.moe.store import Key, StoreIndex, aligned_buffer
+from engine.moe.store import Key, StoreIndex
+from engine.platform.pread import aligned_buffer
 from engine.runtime.budget import BudgetError, fit_budget
 from engine.runtime.stored import STORAGE_DTYPES
 

@@ -46,7 +46,7 @@ from engine.runtime import widen_kernel
 from engine.runtime.stored import ALL_ROWS, STORAGE_DTYPES, native_rows
 from engine.runtime.torch_kv import KV_DTYPES, asked_kv_precision
 from engine.core.interface import EngineError, EngineInfo
-from engine.scheduler.inbox import InboxEngine, refuse_waiting
+from engine.scheduler.inbox import InboxEngine, refuse_waiting, step_failed
 from engine.runtime import tool_format
 
 log = logging.getLogger(__name__)
@@ -254,15 +254,14 @@ class MoEEngine(InboxEngine):
         refuse_waiting(self._emit, waiting)
 
     def _fail_running(self, err: Exception) -> None:
-        """A step raised. Its requests may be half-way through a layer, and retrying it would
-        fail again, so every running request ends with the error (no client waits for an
-        answer that cannot come); the next ones run on a fresh scheduler over an unpinned cache."""
+        """A step raised. Its requests may be half-way through a layer: every running one ends
+        (step_failed), and the next ones run on a fresh scheduler over an unpinned cache."""
         for sid, gen in list(self._gens.items()):
             try:
                 self.scheduler.remove(sid)  # frees its KV slot
             except Exception:  # its state was half-made: the answer still ends, below
                 log.exception("freeing %s after a scheduler error", sid)
-            self._end(gen, finished(gen, "error", error=f"the engine failed: {one_line(err)}"))
+            self._end(gen, step_failed(gen, err))
         self.scheduler = make_scheduler(self.config.scheduler, self.model, self.cache, self.fetcher)
         self.cache.unpin_all()
 

@@ -201,10 +201,6 @@ class StoreIndex:
         return self.blob_bytes * len(self.blobs)
 
 
-# A page-aligned, zero-filled buffer valid for unbuffered reads: the platform layer's (one copy).
-aligned_buffer = pread.aligned_buffer
-
-
 @dataclass(frozen=True)
 class StoreConfig:
     direct: bool = True  # unbuffered reads (bypass the page cache: O_DIRECT & co.); falls back with a warning

@@ -37,6 +37,12 @@ def drain_inbox(inbox: queue.SimpleQueue, waiting: collections.deque, block: boo
         pass
 
 
+def step_failed(gen: Generation, err: Exception) -> TokenEvent:
+    """The final event of a running request whose engine step raised (a bug in the step, not
+    this request's failure): retrying would likely fail again, so it ends with the error."""
+    return finished(gen, "error", error=f"the engine failed: {one_line(err)}")
+
+
 def refuse_waiting(emit, waiting: collections.deque) -> None:
     """End every request that was never admitted: the engine is closing."""
     for req, _t in waiting:
@@ -133,11 +139,11 @@ class TurnEngine(InboxEngine):
         refuse_waiting(self._emit, waiting)
 
     def _fail_running(self, active: list[Generation], err: Exception) -> None:
-        """A step raised: retrying it would likely fail again, so every running request ends
-        with the error (no client waits for an answer that cannot come), and `active` empties."""
+        """A step raised: every running request ends (step_failed; no client waits for an
+        answer that cannot come), and `active` empties."""
         for gen in active:
             try:
-                self._end(gen, finished(gen, "error", error=f"the engine failed: {one_line(err)}"))
+                self._end(gen, step_failed(gen, err))
             except Exception:  # its state was half-freed: the error event went out (_end's finally)
                 log.exception("ending %s after a scheduler error", gen.request_id)
         active.clear()

@@ -236,36 +236,34 @@ def _bound(src: str) -> Table:
 MEASURES_CPU = ("moe-quick-epyc-bf16",)
 
 
-def _cpu_row(src: str, sched: str) -> Row:
-    p = f"results.{sched}.16."
-    cells = (_f(src, p + "compute_s_per_token", "ms"), _f(src, p + "cpu_s_per_token", "ms"),
-             _f(src, p + "cpu_sys_s_per_token", "ms"), _f(src, p + "major_faults_per_token", "f2"),
-             _f(src, p + "gc_s_per_token", "ms"))
-    return Row(sched, " | ".join(cells), f"`results.{sched}.16.cpu_*`, `gc_s_per_token`")
+def _per_scheduler(src: str, name: str, columns: tuple[str, ...], fields: tuple[tuple[str, str], ...],
+                   how: str) -> Table:
+    """A table of figures at 16 requests, a row per scheduler: `fields` are (results key, format)."""
+    def row(sched: str) -> Row:
+        cells = (_f(src, f"results.{sched}.16.{key}", fmt) for key, fmt in fields)
+        return Row(sched, " | ".join(cells), how.format(sched=sched))
+
+    return Table(f"{src}-{name}", ("scheduler (16 requests)", *columns, "JSON field"),  # type: ignore[arg-type]
+                 tuple(row(s) for s in SCHEDULERS + _ablations(src)))
 
 
 def _cpu(src: str) -> Table:
-    return Table(
-        f"{src}-cpu",
-        ("scheduler (16 requests)", "scheduler thread computing / token", "CPU time / token (every thread)",
-         "…of it the OS's (system time)", "page faults that read a file / token",
-         "cyclic GC's pauses / token", "JSON field"),  # type: ignore[arg-type]
-        tuple(_cpu_row(src, s) for s in SCHEDULERS + _ablations(src)))
-
-
-def _phase_row(src: str, sched: str) -> Row:
-    p = f"results.{sched}.16."
-    cells = (_f(src, p + "compute_s_per_token", "ms"), _f(src, p + "attention_s_per_token", "ms"),
-             _f(src, p + "experts_s_per_token", "ms"), _f(src, p + "head_s_per_token", "ms"))
-    return Row(sched, " | ".join(cells), f"`results.{sched}.16.*_s_per_token`")
+    return _per_scheduler(
+        src, "cpu", ("scheduler thread computing / token", "CPU time / token (every thread)",
+                     "…of it the OS's (system time)", "page faults that read a file / token",
+                     "cyclic GC's pauses / token"),
+        (("compute_s_per_token", "ms"), ("cpu_s_per_token", "ms"), ("cpu_sys_s_per_token", "ms"),
+         ("major_faults_per_token", "f2"), ("gc_s_per_token", "ms")),
+        "`results.{sched}.16.cpu_*`, `gc_s_per_token`")
 
 
 def _phases(src: str) -> Table:
-    return Table(
-        f"{src}-phases",
-        ("scheduler (16 requests)", "scheduler thread computing / token", "…attending a layer and routing",
-         "…computing experts", "…in the LM head", "JSON field"),  # type: ignore[arg-type]
-        tuple(_phase_row(src, s) for s in SCHEDULERS + _ablations(src)))
+    return _per_scheduler(
+        src, "phases", ("scheduler thread computing / token", "…attending a layer and routing",
+                        "…computing experts", "…in the LM head"),
+        (("compute_s_per_token", "ms"), ("attention_s_per_token", "ms"), ("experts_s_per_token", "ms"),
+         ("head_s_per_token", "ms")),
+        "`results.{sched}.16.*_s_per_token`")
 
 
 FILE = REPO_ROOT / "docs" / "moe.md"

@@ -28,7 +28,8 @@ pytest.importorskip("transformers")
 from engine.bench import moe  # noqa: E402
 from engine.cli.bench_cmd import scenarios  # noqa: E402
 from engine.platform import direct_io  # noqa: E402
-from engine.moe.store import ExpertStore, StoreConfig, aligned_buffer  # noqa: E402
+from engine.moe.store import ExpertStore, StoreConfig  # noqa: E402
+from engine.platform.pread import aligned_buffer  # noqa: E402
 from engine.platform.direct_io import IO_MODES, fs_type  # noqa: E402
 
 LAYERS, EXPERTS = 2, 8

@@ -12,7 +12,8 @@ import types
 
 import numpy as np
 
-from engine.moe.store import ExpertStore, aligned_buffer
+from engine.moe.store import ExpertStore
+from engine.platform.pread import aligned_buffer
 from engine.platform import pread
 from engine.protocol.messages import GenerateRequest, SamplingParams
 from engine.local.factory import EngineOptions, open_engine

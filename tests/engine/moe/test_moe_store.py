@@ -13,9 +13,9 @@ import torch
 
 from engine.moe.convert import convert
 from engine.moe.engine import MoEConfig, MoEEngine
-from engine.moe.store import (ALIGN, BLOB_FILE, INDEX_FILE, REST_FILE, ChecksumError, ExpertStore,
-                              aligned_buffer)
+from engine.moe.store import ALIGN, BLOB_FILE, INDEX_FILE, REST_FILE, ChecksumError, ExpertStore
 from engine.platform import read_checks
+from engine.platform.pread import aligned_buffer
 from engine.protocol.messages import GenerateRequest, SamplingParams
 
 
