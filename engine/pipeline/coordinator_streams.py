@@ -23,6 +23,7 @@ from engine.protocol.pipeline import StageFree, StagePong, StageResult, StageSte
 from engine.runtime.chat import request_ids
 from engine.runtime.errors import error_code_of, one_line
 from engine.runtime.generation import Generation, accept, finished, pick
+from engine.scheduler.inbox import step_failed
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +48,20 @@ class CoordinatorStreams:
 
     # -- the coordinator thread --------------------------------------------------
     def _admit(self, request: GenerateRequest, t_submit: float) -> _Flight | None:
+        """A flight for `request`, or None: it was refused (it ended with an error event)."""
         try:
-            ids = request_ids(self.tokenizer, request)
-            gen = Generation.create(request, ids, None, self.tokenizer, self.eos_ids,  # type: ignore[arg-type]
-                                    self.context_length, self.config.prefill_chunk, t_submit)
-        except Exception as e:
+            return self._new_flight(request, t_submit)
+        except Exception as e:  # its prompt, its speculation, a parked stream: never a lost request
             self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e),
                                   error_code=error_code_of(e), usage=Usage(0, 0)))
             return None
+
+    def _new_flight(self, request: GenerateRequest, t_submit: float) -> _Flight:
+        ids = request_ids(self.tokenizer, request)
+        gen = Generation.create(request, ids, None, self.tokenizer, self.eos_ids,  # type: ignore[arg-type]
+                                self.context_length, self.config.prefill_chunk, t_submit)
         s = request.sampling
-        try:
-            spec = self.spec.open(request, gen)
-        except Exception as e:
-            self._emit(TokenEvent(request.request_id, finish_reason="error", error=one_line(e),
-                                  error_code=error_code_of(e), usage=Usage(0, 0)))
-            return None
+        spec = self.spec.open(request, gen)
         sample = s.temperature > 0 or s.repetition_penalty != 1.0 or s.logprobs is not None or request.constrained
         grid = gen.chunk if self.config.prompt_cache_exact else 1
         found = self.parked.take(ids, grid) if spec is None else None
@@ -186,6 +186,17 @@ class CoordinatorStreams:
             return
         self._end(active, f, finished(f.gen, "error", error=f"pipeline stage error: {msg.message}",
                                       error_code="peer_lost"))
+
+    def _fail_running(self, active: dict[str, _Flight], err: Exception) -> None:
+        """A turn of the coordinator raised: every admitted request ends (step_failed) and its
+        stream is freed on every stage; a step of theirs still in the ring is dropped when
+        it comes back (no flight has its id). Waiting requests are admitted as usual."""
+        for f in list(active.values()):
+            try:
+                self._end(active, f, step_failed(f.gen, err))
+            except Exception:  # _end failed part way: drop the flight all the same
+                log.exception("pipeline: ending %s after a coordinator error", f.stream_id)
+                active.pop(f.stream_id, None)
 
     def _end(self, active: dict[str, _Flight], f: _Flight, event: TokenEvent) -> None:
         if f.spec is not None:

@@ -82,6 +82,37 @@ def test_cancel_ends_the_request_and_frees_every_stage(engine):
     assert all(p.streams == 0 for p in engine.stage_status().values())
 
 
+def test_a_coordinator_turn_that_raises_ends_its_requests_and_the_ring_serves_on(engine, monkeypatch):
+    """A bug in a turn (here: reading a result) must not leave clients waiting forever: the
+    running request ends with the error, its stream is freed on every stage, and the next
+    request gets the answer it would have got."""
+    real_pick, picks = engine._pick, []
+
+    def pick_that_breaks_once(f, msg, tensors):
+        picks.append(f.stream_id)
+        if len(picks) == 3:
+            raise RuntimeError("injected fault")
+        return real_pick(f, msg, tensors)
+
+    monkeypatch.setattr(engine, "_pick", pick_that_breaks_once)
+    rid = engine.submit(GenerateRequest("broken", messages=HELLO,
+                                        sampling=SamplingParams(max_tokens=200, ignore_eos=True)))
+    tokens, _text, final = collect(engine.stream(rid, timeout=30))
+    assert (final.finish_reason, final.error_code) == ("error", "engine"), final
+    assert final.error == "the engine failed: injected fault" and len(tokens) == 2
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the failed stream is freed, not parked
+        pongs = engine.stage_status()
+        if len(pongs) == 2 and all(p.streams == len(engine.parked) for p in pongs.values()):
+            break
+        time.sleep(0.2)
+    assert all(p.streams == len(engine.parked) for p in engine.stage_status().values())
+    want = reference_greedy(engine.fleet.model_path, _ids(engine, HELLO), 12, ignore_eos=True)
+    got = collect(engine.stream(engine.submit(GenerateRequest(
+        "after", messages=HELLO, sampling=SamplingParams(max_tokens=12, ignore_eos=True))), timeout=30))[0]
+    assert got == want
+
+
 def test_stop_string_ends_the_answer_before_it(engine):
     ids = _ids(engine, HELLO)
     full = engine.tokenizer.decode(reference_greedy(engine.fleet.model_path, ids, 40), skip_special_tokens=True)
