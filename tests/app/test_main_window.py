@@ -14,6 +14,7 @@ import functools
 
 import json
 import os
+import shutil
 import signal
 import sys
 import socket
@@ -562,6 +563,7 @@ def test_launch_two_stage_pipeline_chat_then_kill_a_stage(win: MainWindow, plan,
     assert win.session.kind == "pipeline" and plan.progress.phases() == ["ready", "ready"]
     pids = client.stage_pids(win.session.engine)
     assert len(pids) == 2
+    logs = win.session.engine.fleet.log_dir  # a temporary folder, kept once a stage died (its error names it)
 
     win.show_view("chat")
     panel = win.chat.panel
@@ -590,6 +592,8 @@ def test_launch_two_stage_pipeline_chat_then_kill_a_stage(win: MainWindow, plan,
     assert [r for r, _t, _s in saved] == ["user", "assistant", "user", "assistant"]
     assert saved[-1] == ("assistant", long.text, "error")  # the partial answer is kept
     assert not panel.send_button.isEnabled() and "no engine" in panel.send_button.toolTip()
+    assert (logs / "stage-1.log").is_file()
+    shutil.rmtree(logs)  # the user's to read; the test's to clean up
 
     panel.banner_local.click()  # back to the local engine, same conversation
     qtbot.waitUntil(lambda: win.session.is_ready, timeout=OPEN_TIMEOUT_MS)
