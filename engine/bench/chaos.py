@@ -33,10 +33,13 @@ import argparse
 import difflib
 import os
 import random
+import shutil
 import signal
 import statistics
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 NAME = "chaos"
@@ -161,8 +164,12 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
         return GenerateRequest(rid, messages=(ChatMessage("user", PROMPTS[k % len(PROMPTS)]),), sampling=sampling)
 
     report(f"chaos: launching {args.stages} stages of {args.model}")
+    # The stages' logs: a ring whose stages die keeps them (its errors name them), and this
+    # bench kills stages on purpose, so they are its own: removed after a run that passed.
+    logs = Path(tempfile.mkdtemp(prefix="flotilla-chaos-"))
     engine = launch_pipeline(FleetConfig(model=args.model, stages=args.stages, exact=True,
-                                         max_concurrent=args.streams, spares=1))
+                                         max_concurrent=args.streams, spares=1, log_dir=logs))
+    passed = False
     try:
         report("chaos: reference answers (no faults)")
         refs: dict[int, list[int]] = {}
@@ -291,12 +298,15 @@ def run(args: argparse.Namespace, report: Callable[[str], None]) -> dict[str, An
             "recovery_records": [r.to_dict() for r in records][:50],
         }
         out["failures"] = judge(out, goal)
-        out["passed"] = not out["failures"]
+        out["passed"] = passed = not out["failures"]
+        out["stage_logs"] = None if passed else str(logs)  # kept to read why
         report(f"chaos: {out['completed']}/{out['submitted']} completed ({out['failed']} failed, "
                f"{out['unfinished']} unfinished), {out['duplicated_tokens']} duplicated, "
                f"{out['lost_tokens']} lost, max recovery {out['max_recovery_s']} s (goal < {goal:g} s), "
                f"worker RSS growth {out['worker_rss_growth_mb']} MB")
-        report("chaos: PASSED" if out["passed"] else "chaos: FAILED: " + "; ".join(out["failures"]))
+        report("chaos: PASSED" if passed else f"chaos: FAILED: {'; '.join(out['failures'])} (stage logs: {logs})")
         return out
     finally:
         engine.close()
+        if passed:
+            shutil.rmtree(logs, ignore_errors=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +44,11 @@ def _check_consistent(out: dict, goal: float) -> None:
     assert out["recovery_goal_s"] == goal
     assert isinstance(out["passed"], bool) and isinstance(out["failures"], list)
     assert out["passed"] is (not out["failures"])
+    if out["passed"]:
+        assert out["stage_logs"] is None
+    else:  # a failed run keeps the stages' logs to read why; the test cleans them up
+        assert (Path(out["stage_logs"]) / "stage-0.log").is_file()
+        shutil.rmtree(out["stage_logs"])
     assert out["failures"] == chaos.judge(out, goal)
     assert len(out["recovery_s"]) == out["kills"]
     assert out["unrecovered_kills"] == sum(r is None for r in out["recovery_s"])
