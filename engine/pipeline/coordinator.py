@@ -258,8 +258,9 @@ class PipelineEngine(CoordinatorWire, CoordinatorStreams, InboxEngine):
                 if now >= next_ping:
                     next_ping = now + self.config.ping_interval_s
                     self._ping_all(now)
-            except Exception as e:  # a bug in a step: its requests end with it (a retry would fail
-                log.exception("pipeline coordinator error")  # again, and their clients would wait forever)
+            except Exception as e:  # a bug in a turn: retrying it would fail again, and its
+                # requests' clients would wait forever, so those requests end with the error
+                log.exception("pipeline coordinator error")
                 self._fail_running(active, e)
                 time.sleep(0.05)
         self._fail_all(waiting, active, "the engine was closed", "closed")
